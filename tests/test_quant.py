@@ -1,8 +1,11 @@
 """Weight-only int8/int4 quantized linears (specdraft.runtime.quant) on the real draft-model shapes.
 
 Error bounds are relative Frobenius errors ||y_q - y|| / ||y|| against F.linear with the unquantized
-weight, for weights ~ N(0, 0.02^2).  Measured maxima (torch 2.13 CPU, seed 0, bf16 and fp32, 1 and 5 rows):
-int8 (per-channel) 0.0059-0.0090, int4 0.080-0.105 (group 64 when K=576, 128 for K=640/1024/2048).
+weight, for weights ~ N(0, 0.02^2).  Measured (torch 2.13 CPU, bf16 and fp32 activations, 1 and 5 rows):
+with the fixed seeds below, int8 (per-channel) 0.0069-0.0093 and int4 0.077-0.107 over all the real
+shapes; over 8 other seeds, single rows, the worst cases were int8 0.0094 and int4 0.114 ([576, 1536],
+group 128).  int4 uses group 64 when K=576 (128 does not divide it) and 128 for K=640/1024/1536/2048.
+Bounds: int8 1.2e-2, int4 1.25e-1.
 """
 
 from __future__ import annotations
@@ -64,12 +67,24 @@ _WEIGHTS: dict[tuple[int, int], torch.Tensor] = {}
 _QUANT: dict[tuple[int, int, int], nn.Module] = {}
 
 
+BIG = 20_000_000  # elements; vocab matrices above this are built from a random block, in bf16
+
+
 def weight(shape: tuple[int, int]) -> torch.Tensor:
-    """Fixed-seed N(0, 0.02^2) weight in fp32 (bf16 for the huge vocab matrices, to save memory)."""
+    """Fixed-seed N(0, 0.02^2) weight.
+
+    The huge vocab matrices ([49152, 576], [262144, 640]) would spend most of the test budget in the
+    random generator, so they are a random 5003-row block tiled down the rows (5003 does not divide the
+    quantizer's 4096-row chunks, so a chunk-offset bug still shows), kept in bf16 to halve memory.
+    """
     if shape not in _WEIGHTS:
         gen = torch.Generator().manual_seed(shape[0] * 7919 + shape[1])
-        dtype = torch.bfloat16 if shape[0] * shape[1] > 50_000_000 else torch.float32
-        _WEIGHTS[shape] = torch.randn(shape, generator=gen, dtype=dtype) * 0.02
+        if shape[0] * shape[1] > BIG:
+            block = (torch.randn(5003, shape[1], generator=gen) * 0.02).to(torch.bfloat16)
+            reps = -(-shape[0] // 5003)
+            _WEIGHTS[shape] = block.repeat(reps, 1)[: shape[0]].contiguous()
+        else:
+            _WEIGHTS[shape] = torch.randn(shape, generator=gen) * 0.02
     return _WEIGHTS[shape]
 
 
@@ -81,8 +96,13 @@ def quantized(shape: tuple[int, int], bits: int) -> nn.Module:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _free_cache():
+def _one_thread_and_free_cache():
+    # One intra-op thread: on a shared 2-core box two OpenMP threads fighting other processes made the
+    # vocab-sized quantizations ~5x slower.  Restored (and caches dropped) after the module.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     _WEIGHTS.clear()
     _QUANT.clear()
 
@@ -93,8 +113,7 @@ def test_real_shapes_error_bound(shape, bits):
     w = weight(shape)
     mod = quantized(shape, bits)
     gen = torch.Generator().manual_seed(1)
-    big = w.numel() > 50_000_000
-    dtypes = [torch.bfloat16] if big else [torch.bfloat16, torch.float32]
+    dtypes = [torch.bfloat16] if w.numel() > BIG else [torch.bfloat16, torch.float32]
     for dtype in dtypes:
         for rows in (1, 5):
             x = torch.randn(rows, shape[1], generator=gen).to(dtype)
@@ -204,6 +223,17 @@ def test_state_dict_round_trip(bits):
     torch.testing.assert_close(fresh(x), mod(x))
 
 
+def test_int4_state_dict_records_cpu_capability(monkeypatch):
+    """The packed int4 layout is ISA-specific: loading on a different capability must refuse."""
+    mod = Int4Linear.from_linear_weight(torch.randn(64, 64) * 0.02, None, group_size=32)
+    state = mod.state_dict()
+    assert state["_extra_state"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    with pytest.raises(RuntimeError, match="capability"):
+        Int4Linear(64, 64, group_size=32).load_state_dict(state)
+
+
 def test_quant_supported():
     assert quant_supported(8) is True
     assert quant_supported(4) is True
@@ -267,9 +297,35 @@ def test_quantize_linears_shares_tied_weights():
     assert isinstance(model[0], Int4Linear) and model[0] is model.again
 
 
-@pytest.mark.parametrize("bits,min_agree", [(8, 0.95), (4, 0.75)])
+@pytest.mark.parametrize("bits,min_agree,max_err", [(8, 0.93, 1.6e-2), (4, 0.6, 1.8e-1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_layer_mlp_argmax_agreement(bits, min_agree, max_err, dtype):
+    """Random 2-layer MLP with 1000 gaussian logits: near-ties are common, so this is a hard case.
+
+    Measured agreement over 512 rows: int8 0.975-0.982, int4 0.74-0.75; relative error 0.011 / 0.145.
+    """
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1000))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0.0, 0.02) if p.dim() == 2 else p.zero_()
+    mlp = mlp.to(dtype)
+    x = (torch.randn(512, 256) * 3).to(dtype)
+    with torch.no_grad():
+        full = mlp(x)
+        assert quantize_linears(mlp, bits) is mlp
+        q = mlp(x)
+    assert isinstance(mlp[0], CLASSES[bits]) and isinstance(mlp[2], CLASSES[bits])
+    assert q.shape == full.shape and q.dtype == dtype
+    agree = (q.argmax(-1) == full.argmax(-1)).float().mean().item()
+    assert agree >= min_agree, f"int{bits} {dtype}: argmax agreement {agree:.3f}"
+    assert rel_err(q, full) < max_err
+
+
+@pytest.mark.parametrize("bits,min_agree", [(8, 0.95), (4, 0.95)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiny_model_argmax_agreement(bits, min_agree, dtype):
+    """Embedding + 2 residual MLP blocks + tied lm_head (SmolLM2-like): measured agreement 1.0."""
     torch.manual_seed(0)
     model = Tiny(vocab=200).to(dtype)
     with torch.no_grad():

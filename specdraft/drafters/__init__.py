@@ -1,0 +1,72 @@
+"""Drafters: everything that proposes tokens for the target to verify, behind one small interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdraft.drafters.base import Drafter, Proposal
+from specdraft.runtime.errors import SpecdraftError
+from specdraft.runtime.model import Transformer
+from specdraft.runtime.tokenizer import Tokenizer
+
+DRAFTER_HELP = "ngram | quant:int4 | quant:int8 | self:N | draft:MODEL_REF | MODEL_REF"
+
+
+def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
+                 options: dict[str, Any] | None = None, dtype: str | None = None) -> Drafter:
+    """Build a drafter from its spec string (`ngram`, `quant:int4`, `self:8`, `draft:REF` or a model ref).
+
+    options: drafter-specific keyword options (ngram: max_n, min_n; model drafters: min_confidence;
+    quant: group_size). Unknown options are an error.
+    """
+    options = dict(options or {})
+    if not isinstance(spec, str) or not spec.strip():
+        raise SpecdraftError(f"empty drafter spec; expected one of: {DRAFTER_HELP}")
+    kind, _, arg = spec.partition(":")
+
+    def take(allowed: set[str]) -> dict[str, Any]:
+        unknown = set(options) - allowed
+        if unknown:
+            raise SpecdraftError(
+                f"unknown option(s) {sorted(unknown)} for drafter {spec!r}; allowed: {sorted(allowed)}")
+        return options
+
+    if kind == "ngram":
+        from specdraft.drafters.ngram import NgramDrafter
+
+        opts = take({"max_n", "min_n"})
+        if arg:
+            opts.setdefault("max_n", _int_arg(spec, arg))
+        try:
+            return NgramDrafter(**opts)
+        except ValueError as exc:
+            raise SpecdraftError(str(exc)) from exc
+    if kind == "quant":
+        from specdraft.drafters.quant import make_quant_drafter
+
+        bits = {"int4": 4, "int8": 8, "4": 4, "8": 8}.get(arg)
+        if bits is None:
+            raise SpecdraftError(f"quant drafter takes int4 or int8, got {spec!r}")
+        return make_quant_drafter(target, bits, max_len=max_len, **take({"min_confidence", "group_size"}))
+    if kind == "self":
+        from specdraft.drafters.self_draft import make_self_drafter
+
+        return make_self_drafter(target, _int_arg(spec, arg), max_len=max_len, **take({"min_confidence"}))
+    ref = arg if kind == "draft" else spec
+    from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
+    from specdraft.runtime.loader import load_model, load_tokenizer
+
+    draft_tokenizer = load_tokenizer(ref)
+    check_tokenizers_match(target_tokenizer, draft_tokenizer)
+    model = load_model(ref, dtype=dtype or target.dtype, device=target.device)
+    return ModelDrafter(model, name=f"draft:{ref}", max_len=max_len, **take({"min_confidence"}))
+
+
+def _int_arg(spec: str, arg: str) -> int:
+    try:
+        return int(arg)
+    except ValueError:
+        raise SpecdraftError(f"bad drafter spec {spec!r}: expected an integer after ':'") from None
+
+
+__all__ = ["DRAFTER_HELP", "Drafter", "Proposal", "make_drafter"]

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from specdraft.runtime.kv_cache import KVCache
 from specdraft.verify.sampling import SamplingParams
 
 
@@ -35,8 +36,12 @@ class Proposal:
 class Drafter(Protocol):
     name: str
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None) -> None:
-        """Begin a new request (reset all per-request state)."""
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
+              target_cache: KVCache | None = None) -> None:
+        """Begin a new request (reset all per-request state).
+
+        `target_cache` holds the target's keys/values for the prompt (slot 0, committed): drafters derived
+        from the target's own weights copy it instead of running their own prefill."""
 
     def propose(self, context: Sequence[int], max_k: int) -> Proposal:
         """Propose at most `max_k` tokens that continue `context`. May return fewer, or none."""

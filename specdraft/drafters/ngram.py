@@ -53,7 +53,8 @@ class NgramDrafter:
         self._indexed_upto = 0
 
     def start(
-        self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None
+        self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
+        target_cache: object | None = None,
     ) -> None:
         """Sampling params and the generator are irrelevant: lookup never samples."""
         self._reset()

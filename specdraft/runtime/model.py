@@ -82,8 +82,11 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.sliding = cfg.layer_types[layer_idx] == "sliding"
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                slots: Sequence[int], starts: Sequence[int], key_len: int, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor) -> torch.Tensor:
+        """k_cache/v_cache [S, Hkv, L, D] of this layer; index = (slot [B, 1], cache position [B, T]) of each
+        new token; mask [B, 1, 1, T, key_len] additive."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -92,10 +95,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        for row, (slot, start) in enumerate(zip(slots, starts, strict=True)):
-            k_cache[slot, :, start:start + T] = k[row].transpose(0, 1)
-            v_cache[slot, :, start:start + T] = v[row].transpose(0, 1)
+        key_len = mask.shape[-1]
+        # One indexed write per cache for the whole batch: [S, L, Hkv, D] view, indexed by (slot, position).
+        k_cache.transpose(1, 2)[index] = k
+        v_cache.transpose(1, 2)[index] = v
         keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
 
         # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
@@ -147,8 +150,8 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
 
-    def forward(self, x: torch.Tensor, rope, cache, slots, starts, key_len, mask) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, cache, slots, starts, key_len, mask)
+    def forward(self, x: torch.Tensor, rope, k_cache, v_cache, slots, index, mask) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, k_cache, v_cache, slots, index, mask)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -173,6 +176,7 @@ class Transformer(nn.Module):
         local_theta = cfg.rope_local_theta or cfg.rope_theta
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local_theta, None), persistent=False)
         self.requires_grad_(False)
+        self._compiled_layers = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,19 +222,35 @@ class Transformer(nn.Module):
         masks = self._masks(starts, positions, tree_mask, key_len)
         ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
 
+        rows = torch.tensor(slots, device=tokens.device)[:, None]
+        index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
         x = self.embed(tokens)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        layers = self.layers if exit_layer is None else self.layers[:exit_layer]
-        for layer in layers:
-            kind = self.config.layer_types[layer.attn.layer_idx]
-            x = layer(x, ropes[kind], cache, slots, starts, key_len, masks[kind])
+        num_layers = len(self.layers) if exit_layer is None else exit_layer
+        run = self._compiled_layers if self._compiled_layers is not None and B == 1 else self._run_layers
+        x = run(x, ropes, masks, cache.k[:num_layers], cache.v[:num_layers], tuple(slots), index)
         hidden = self.norm(x[:, logits_from:])
         logits = self.lm_head(hidden)
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
+
+    def _run_layers(self, x: torch.Tensor, ropes: dict, masks: dict, k_caches: list[torch.Tensor],
+                    v_caches: list[torch.Tensor], slots: tuple[int, ...],
+                    index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The hot loop over layers (what `compile()` hands to torch.compile)."""
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            kind = self.config.layer_types[layer.attn.layer_idx]
+            x = layer(x, ropes[kind], k_cache, v_cache, slots, index, masks[kind])
+        return x
+
+    def compile(self, **kwargs) -> Transformer:
+        """Compile the layer loop with torch.compile (dynamic shapes: one graph serves every T and context
+        length). Removes most of the per-op Python overhead that dominates small-model decoding on CPU."""
+        self._compiled_layers = torch.compile(self._run_layers, dynamic=True, **kwargs)
+        return self
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq

@@ -55,7 +55,7 @@ __all__ = [
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 _INT8_K_MULTIPLE = 16  # bf16 int8 kernel: K stepped by 16 with aligned loads
 _INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: N % 16 == 0
-_INT4_PACK_ROW_BLOCK = 64  # the packed layout interleaves blocks of 64 rows: chunk packing on this
+_INT4_PACK_ROW_BLOCK = 64  # packed layout works in blocks of 64 (AVX512) or 32 rows: chunk on multiples
 _ROW_CHUNK = 4096  # rows quantized at a time (bounds temporary memory for 262144-row vocab matrices)
 _ALIGN = 32  # bytes; activation rows must be 32-byte aligned for the int8 bf16 kernel
 _EPS = 1e-10
@@ -63,6 +63,14 @@ _EPS = 1e-10
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def _check_compute_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {dtype}")
 
 
 def _check_cpu(x: Tensor) -> None:
@@ -116,6 +124,7 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  compute_dtype: torch.dtype = torch.bfloat16, bias_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        _check_compute_dtype(compute_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.compute_dtype = compute_dtype
@@ -194,6 +203,7 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, group_size: int = 128, bias: bool = False,
                  compute_dtype: torch.dtype = torch.bfloat16, bias_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        _check_compute_dtype(compute_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.compute_dtype = compute_dtype
@@ -241,16 +251,36 @@ class Int4Linear(nn.Module):
             # kernel: w = (q - 8) * scale + zero; with zero = min + 8 * scale this is q * scale + min.
             zero = (w_min + 8.0 * scale).to(compute_dtype).float()
             # quantize against the rounded (scale, zero) the kernel will actually use:
-            # q = round((w - (zero - 8 scale)) / scale), as floor(t + 0.5) after clamping t + 0.5 to [0, 15]
-            lo = zero - 8.0 * scale
-            wg.sub_(lo[..., None]).div_(scale[..., None]).add_(0.5).clamp_(0.0, 15.0)
-            q = wc.to(torch.int32)  # truncation == floor for non-negative values
+            # q = round((w - lo) / scale) with lo = zero - 8 * scale, computed as floor(w * inv + off)
+            # with off = 0.5 - lo * inv, clamped to [0, 15] (one fused pass + clamp + int cast)
+            inv = scale.reciprocal()
+            off = (0.5 - (zero - 8.0 * scale) * inv)
+            torch.addcmul(off[..., None], wg, inv[..., None], out=wg)
+            q = wg.clamp_(0.0, 15.0).view(r1 - r0, k_pad).to(torch.int32)  # trunc == floor here (>= 0)
             mod.weight_int4[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
             mod.scales_and_zeros[:, r0:r1, 0] = scale.t().to(compute_dtype)
             mod.scales_and_zeros[:, r0:r1, 1] = zero.t().to(compute_dtype)
         if bias is not None:
             mod.bias.copy_(bias.detach().to("cpu", bias_dtype))
         return mod
+
+    # The packed layout depends on the CPU capability torch dispatches to (blocks of 64 rows on AVX512,
+    # 32 on AVX2, yet another order on DEFAULT; verified: the same codes pack to different bytes), so a
+    # state_dict is only valid on a machine with the same capability.  Record it and refuse mismatches.
+    def get_extra_state(self) -> dict:
+        return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "group_size": self.group_size,
+                "format": "int4pack_for_cpu/v1"}
+
+    def set_extra_state(self, state: dict) -> None:
+        here = torch.backends.cpu.get_cpu_capability()
+        if state.get("cpu_capability") != here:
+            raise RuntimeError(
+                f"Int4Linear weights were packed for CPU capability {state.get('cpu_capability')!r} but this "
+                f"process dispatches to {here!r}; the packed layouts differ.  Re-quantize from the float "
+                "weights instead of loading the packed state_dict.")
+        if state.get("group_size") != self.group_size:
+            raise RuntimeError(f"group size mismatch: state has {state.get('group_size')}, "
+                               f"module has {self.group_size}")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The effective float weight [out, in] the kernel multiplies by (for tests/debugging).
@@ -327,7 +357,7 @@ def quantize_linears(module: nn.Module, bits: int, group_size: int = 128,
         raise RuntimeError(f"this torch build ({torch.__version__}) lacks a working int{bits} weight-only "
                            "CPU kernel (_weight_int8pack_mm / _weight_int4pack_mm_for_cpu)")
     cls = Int8Linear if bits == 8 else Int4Linear
-    targets = [(name, mod) for name, mod in module.named_modules()
+    targets = [(name, mod) for name, mod in module.named_modules(remove_duplicate=False)
                if isinstance(mod, nn.Linear) and not (skip is not None and skip(name))]
     done: dict[tuple[int, int | None], nn.Module] = {}
     for name, lin in targets:

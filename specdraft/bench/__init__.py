@@ -1,0 +1,1 @@
+"""Benchmarks: `specdraft bench` (Spec-Bench style, per category) and `specdraft bench-runtime`."""

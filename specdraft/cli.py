@@ -1,0 +1,164 @@
+"""Command line: `specdraft generate | models | convert | demo | bench | bench-runtime`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdraft.drafters import DRAFTER_HELP
+from specdraft.runtime.errors import SpecdraftError
+from specdraft.verify.sampling import InvalidParameterError, SamplingParams
+
+# ANSI colours for --show-drafts: accepted draft tokens, the target's corrections, bonus tokens.
+ORIGIN_COLOURS = {"draft": "\033[32m", "correction": "\033[31m", "bonus": "\033[34m", "target": ""}
+RESET = "\033[0m"
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or ())
+
+
+def _build_llm(args: argparse.Namespace):
+    from specdraft.api import LLM
+
+    if args.config:
+        return LLM(args.config)
+    return LLM(model=args.model, speculative_model=args.draft, num_speculative_tokens=args.k, dtype=args.dtype,
+               max_model_len=args.max_model_len, adaptive=not args.no_adaptive)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdraft.runtime.tokenizer import StreamDecoder
+
+    params = _sampling_params(args)
+    if not args.prompt.strip():
+        raise SpecdraftError("empty prompt")
+    llm = _build_llm(args)
+    stream = llm.stream(args.prompt, params, chat=args.chat)
+    result = None
+    decoder = StreamDecoder(llm.tokenizer) if args.show_drafts else None
+    for chunk in stream:
+        if decoder is not None:
+            for token, origin in zip(chunk.token_ids, chunk.origins):
+                piece = decoder.push([token])
+                sys.stdout.write(f"{ORIGIN_COLOURS[origin]}{piece}{RESET if ORIGIN_COLOURS[origin] else ''}")
+        else:
+            sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        result = chunk.result or result
+    sys.stdout.write("\n")
+    if args.show_drafts:
+        print("legend: " + " ".join(f"{c}{name}{RESET}" for name, c in ORIGIN_COLOURS.items() if c),
+              file=sys.stderr)
+    print(f"[{result.finish_reason}] {result.metrics.summary()}", file=sys.stderr)
+    for line in result.adaptation_log:
+        print(f"  adaptive: {line}", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specdraft.runtime.loader import CATALOG, cache_root
+
+    converted_dir = cache_root() / "converted"
+    converted = sorted(p.name for p in converted_dir.iterdir()) if converted_dir.exists() else []
+    print("catalog:")
+    for entry in CATALOG.values():
+        print(f"  {entry.name:<14} {entry.description}   (install: {entry.install_hint})")
+    print(f"converted in {converted_dir}:")
+    for name in converted:
+        size = sum(f.stat().st_size for f in (converted_dir / name).iterdir()) / 1e6
+        print(f"  {name}  ({size:.0f} MB)")
+    if not converted:
+        print("  (none yet: the first use of a model converts it)")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from specdraft.runtime.loader import resolve
+
+    for ref in args.models:
+        print(f"{ref}: {resolve(ref)}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Speculative generation with the default drafter next to plain decoding of the same prompt."""
+    from specdraft.api import LLM
+
+    prompt = args.prompt
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm = LLM(model=args.model, speculative_model=args.draft, num_speculative_tokens=args.k)
+    messages = [{"role": "user", "content": prompt}]
+    llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    print(f"model {args.model}, drafter {args.draft}, K={args.k}, greedy, {args.max_tokens} tokens\n")
+    print(f"prompt: {prompt}\n")
+    spec = llm.chat(messages, params)[0]
+    llm.engine.drafter, saved = None, llm.engine.drafter
+    plain = llm.chat(messages, params)[0]
+    llm.engine.drafter = saved
+    print(spec.text.strip(), "\n")
+    print(f"speculative ({args.draft}): {spec.metrics.summary()}")
+    print(f"plain decoding:           {plain.metrics.summary()}")
+    same = spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    speedup = plain.metrics.total_time / spec.metrics.total_time
+    print(f"identical output: {'yes' if same else 'NO'}; speedup {speedup:.2f}x")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text, streaming it")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2-135m", help="catalog name, HF directory or .gguf file")
+    gen.add_argument("--draft", default=None, help=DRAFTER_HELP)
+    gen.add_argument("-k", type=int, default=5, help="draft tokens per round (max, when adaptive)")
+    gen.add_argument("--config", help="JSON config file (replaces --model/--draft/-k)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    gen.add_argument("--max-model-len", type=int, default=4096)
+    gen.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
+    gen.add_argument("--show-drafts", action="store_true",
+                     help="colour tokens: green accepted draft, red target correction, blue bonus")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the catalog and the converted cache")
+    models.set_defaults(func=cmd_models)
+
+    conv = sub.add_parser("convert", help="convert models into the cache now (GGUF -> safetensors)")
+    conv.add_argument("models", nargs="+")
+    conv.set_defaults(func=cmd_convert)
+
+    demo = sub.add_parser("demo", help="speculative vs plain decoding on one prompt")
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--draft", default="quant:int8")
+    demo.add_argument("-k", type=int, default=5)
+    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    demo.set_defaults(func=cmd_demo)
+
+    from specdraft.bench.cli import add_bench_commands
+
+    add_bench_commands(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecdraftError, InvalidParameterError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

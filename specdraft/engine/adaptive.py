@@ -1,0 +1,103 @@
+"""Adaptive draft length and automatic fallback to plain decoding.
+
+With per-token acceptance probability `alpha`, a round that drafts K tokens produces on average
+(1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al., 2023). It costs K draft steps plus one target
+forward over K+1 tokens. Both costs are measured as the request runs, so the controller picks the K that
+maximizes tokens per second, and drafts nothing (plain decoding) when no K beats a plain forward. After a
+fallback it re-probes speculation every `reprobe_after` plain rounds, since acceptance depends on the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptiveConfig:
+    enabled: bool = True
+    min_acceptance: float = 0.4  # fall back when the recent acceptance rate drops below this
+    window: int = 8  # rounds of history the estimates average over (EMA horizon)
+    reprobe_after: int = 16  # plain rounds before speculation is tried again
+    min_speedup: float = 1.0  # fall back when the best expected speedup is below this
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_acceptance < 1.0:
+            raise ValueError("min_acceptance must be in [0, 1)")
+        if self.window < 1 or self.reprobe_after < 1:
+            raise ValueError("window and reprobe_after must be >= 1")
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens per round when each draft token is accepted with probability alpha (bonus included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class DraftLengthController:
+    """Chooses K per round from measured acceptance and measured draft / verify cost."""
+
+    def __init__(self, max_k: int, config: AdaptiveConfig | None = None) -> None:
+        self.max_k = max_k
+        self.config = config or AdaptiveConfig()
+        self.k = max_k
+        self.alpha = 0.7  # optimistic prior so that speculation gets tried
+        self.draft_step = 0.0  # seconds per draft token (EMA)
+        self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
+        self.verify_extra = 0.0  # extra seconds per verified draft token over a plain forward (EMA)
+        self.fallback_left = 0
+        self.fallback_events = 0
+        self.log: list[str] = []
+
+    def _ema(self, old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        w = 1.0 / self.config.window
+        return (1 - w) * old + w * new
+
+    @property
+    def in_fallback(self) -> bool:
+        return self.fallback_left > 0
+
+    def next_k(self) -> int:
+        if not self.config.enabled:
+            return self.max_k
+        if self.plain_forward is None:
+            return 0  # one plain forward first: the baseline every speedup estimate is measured against
+        if self.fallback_left > 0:
+            self.fallback_left -= 1
+            if self.fallback_left == 0:
+                self.log.append("re-probing speculation")
+                self.alpha = max(self.alpha, self.config.min_acceptance + 0.1)
+                self.k = 1
+            return 0
+        return self.k
+
+    def expected_speedup(self, k: int) -> float:
+        if self.plain_forward is None or self.plain_forward <= 0:
+            return float("inf")
+        cost = k * self.draft_step + self.plain_forward + k * self.verify_extra
+        return expected_tokens(self.alpha, k) * self.plain_forward / cost
+
+    def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
+        """Feed one round's outcome. drafted == 0 means a plain forward (used to time the baseline)."""
+        if drafted == 0:
+            self.plain_forward = self._ema(self.plain_forward, verify_time)
+            return
+        failures = 1 if accepted < drafted else 0
+        round_alpha = accepted / (accepted + failures) if accepted + failures else self.alpha
+        self.alpha = self._ema(self.alpha, round_alpha)
+        self.draft_step = self._ema(self.draft_step if self.draft_step else None, draft_time / drafted)
+        if self.plain_forward is not None:
+            extra = max(0.0, (verify_time - self.plain_forward) / drafted)
+            self.verify_extra = self._ema(self.verify_extra, extra)
+        if not self.config.enabled:
+            return
+        best_k = max(range(1, self.max_k + 1), key=self.expected_speedup)
+        best = self.expected_speedup(best_k)
+        if self.alpha < self.config.min_acceptance or best < self.config.min_speedup:
+            self.fallback_left = self.config.reprobe_after
+            self.fallback_events += 1
+            self.log.append(f"fallback to plain decoding: acceptance {self.alpha:.2f}, expected speedup "
+                            f"{best:.2f} at K={best_k}")
+        self.k = best_k

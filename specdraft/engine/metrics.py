@@ -1,0 +1,101 @@
+"""Acceptance metrics, per request and cumulative.
+
+Conventions (as in Spec-Bench): `mean_accepted_length` is the number of tokens each target decode forward
+produced, *counting* the target's own correction/bonus token, so plain decoding scores exactly 1.00. The
+prefill forward (which yields the first token) is not a decode forward and is not counted in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0  # decode/verify forwards of the target (prefill excluded)
+    produced_tokens: int = 0  # tokens those forwards produced (accepted + 1 each), before stop truncation
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    speculative_rounds: int = 0
+    fallback_rounds: int = 0  # decode forwards run without drafting because speculation did not pay
+    fallback_events: int = 0
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.target_forwards += 1
+        self.produced_tokens += num_accepted + 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        if num_drafted:
+            self.speculative_rounds += 1
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target decode forward, bonus/correction included (plain decoding = 1.00)."""
+        return self.produced_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode_time = self.total_time - self.prefill_time
+        tokens = self.generated_tokens - 1
+        return tokens / decode_time if decode_time > 0 and tokens > 0 else 0.0
+
+    def merge(self, other: SpecMetrics) -> SpecMetrics:
+        """Cumulative metrics over several requests."""
+        out = SpecMetrics(**{k: v for k, v in asdict(self).items()})
+        for name in ("prompt_tokens", "generated_tokens", "target_forwards", "produced_tokens", "drafted",
+                     "accepted", "speculative_rounds", "fallback_rounds", "fallback_events", "prefill_time",
+                     "draft_time", "verify_time", "total_time"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
+        out.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position),
+                                                          pad(other.drafted_per_position))]
+        out.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position),
+                                                           pad(other.accepted_per_position))]
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 per_position_acceptance=self.per_position_acceptance, tokens_per_second=self.tokens_per_second,
+                 decode_tokens_per_second=self.decode_tokens_per_second)
+        return d
+
+    def summary(self) -> str:
+        line = (f"{self.generated_tokens} tokens in {self.total_time:.2f}s ({self.tokens_per_second:.1f} tok/s, "
+                f"prefill {self.prefill_time * 1000:.0f} ms)")
+        if self.drafted:
+            line += (f" | acceptance {self.acceptance_rate:.1%}, mean accepted length "
+                     f"{self.mean_accepted_length:.2f} (incl. bonus), draft {self.draft_time:.2f}s / verify "
+                     f"{self.verify_time:.2f}s")
+            if self.fallback_events:
+                line += f", fell back to plain {self.fallback_events}x"
+        return line

@@ -1,0 +1,540 @@
+"""`specdraft bench` / `bench-runtime`: report math, suites, results schema, plots and peers, on synthetic
+data.
+
+Only the test marked slow loads a real model (smollm2-135m, a few tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from specdraft.bench import report, stats
+from specdraft.bench.machine import header, header_lines
+from specdraft.bench.peers import PeerUnavailable, gguf_path, load_peers, parse_peers
+from specdraft.bench.runtime_bench import (
+    aggregate_runtime,
+    build_runtime_results,
+    floor_ms,
+    render_table,
+    summarize_runs,
+    weight_bytes_per_token,
+)
+from specdraft.bench.specbench import PromptBuilder, build_results, parse_methods, run_suite
+from specdraft.bench.suite import (
+    DEFAULT_SUITE,
+    GROUPS,
+    MULTI_TURN,
+    OVERALL,
+    Question,
+    SuiteError,
+    group_of,
+    load_suite,
+    order_groups,
+    parse_suite,
+    select_per_group,
+    spread,
+)
+from specdraft.runtime.errors import SpecdraftError
+from specdraft.verify.sampling import SamplingParams
+
+# ----------------------------------------------------------------------------------------- report math
+
+
+def test_speedup_and_ratios():
+    assert stats.speedup(30.0, 10.0) == 3.0
+    assert stats.speedup(10.0, None) is None
+    assert stats.speedup(None, 10.0) is None
+    assert stats.speedup(10.0, 0.0) is None
+    assert stats.throughput(100, 4.0) == 25.0
+    assert stats.mean_accepted_length(30, 10) == 3.0
+    assert stats.mean_accepted_length(10, 10) == 1.0  # plain decoding
+    assert stats.mean_accepted_length(0, 0) is None
+    assert stats.acceptance_rate(3, 4) == 0.75
+    assert stats.acceptance_rate(0, 0) is None
+
+
+def test_per_position():
+    assert stats.add_positions([[1, 2], [3], None, [], [1, 1, 1]]) == [5, 3, 1]
+    assert stats.per_position_rates([4, 2, 0], [8, 4, 0]) == [0.5, 0.5, 0.0]
+    assert stats.per_position_rates([1], [2, 2]) == [0.5, 0.0]  # shorter accepted list is padded
+
+
+def test_first_divergence():
+    assert stats.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert stats.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert stats.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert stats.first_divergence([], [7]) == 0
+
+
+def _run(tokens, time_s, ttft=0.1, forwards=None, drafted=0, accepted=0, dpp=(), app=()):
+    r = {"tokens": tokens, "time_s": time_s, "ttft_s": ttft, "token_ids": list(range(tokens)), "text": "x"}
+    if forwards is not None:
+        r.update(target_forwards=forwards, produced_tokens=tokens - 1, drafted=drafted, accepted=accepted,
+                 drafted_per_position=list(dpp), accepted_per_position=list(app))
+    return r
+
+
+def test_summarize_repeats_medians_and_sums():
+    runs = [_run(10, 3.0, 0.3, 9, 4, 2, [2, 2], [1, 1]), _run(10, 1.0, 0.1, 9, 4, 2, [2, 2], [1, 1]),
+            _run(10, 2.0, 0.2, 9, 4, 2, [2, 2], [1, 1])]
+    s = stats.summarize_repeats(runs)
+    assert s["time_s"] == 2.0 and s["ttft_s"] == 0.2 and s["tokens"] == 10
+    assert s["times_s"] == [3.0, 1.0, 2.0]
+    assert s["drafted"] == 12 and s["accepted"] == 6 and s["target_forwards"] == 27
+    assert s["drafted_per_position"] == [6, 6] and s["accepted_per_position"] == [3, 3]
+    peer = stats.summarize_repeats([_run(5, 1.0), _run(5, 2.0)])
+    assert peer["time_s"] == 1.5 and peer["drafted"] is None and peer["drafted_per_position"] is None
+    with pytest.raises(ValueError):
+        stats.summarize_repeats([])
+
+
+def test_aggregate_is_total_tokens_over_total_time():
+    a = stats.summarize_repeats([_run(100, 10.0, 0.5, 40, 80, 60, [40, 40], [35, 25])])
+    b = stats.summarize_repeats([_run(10, 5.0, 0.1, 5, 10, 5, [5, 5, 2], [4, 1, 0])])
+    agg = stats.aggregate([a, b])
+    assert agg["tokens_per_s"] == pytest.approx(110 / 15.0)  # not the mean of 10 and 2 tok/s
+    assert agg["samples"] == 2
+    assert agg["ttft_s"] == pytest.approx(0.3)
+    assert agg["mean_accepted_length"] == pytest.approx((99 + 9) / 45)
+    assert agg["acceptance_rate"] == pytest.approx(65 / 90)
+    assert agg["drafted_per_position"] == [45, 45, 2]
+    assert agg["per_position_acceptance"] == pytest.approx([39 / 45, 26 / 45, 0.0])
+    peers = stats.aggregate([stats.summarize_repeats([_run(10, 1.0)])])
+    assert peers["mean_accepted_length"] is None and peers["acceptance_rate"] is None
+
+
+# ---------------------------------------------------------------------------------------------- suites
+
+
+def test_category_grouping():
+    for cat in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"):
+        assert group_of(cat) == MULTI_TURN
+    for cat in ("translation", "summarization", "qa", "math_reasoning", "rag", "other"):
+        assert group_of(cat) == cat
+    assert order_groups({"rag", "zzz", MULTI_TURN, "qa"}) == [MULTI_TURN, "qa", "rag", "zzz"]
+
+
+def _q(qid, cat, turns=1):
+    return Question(qid, cat, tuple(f"turn {i} of {qid}" for i in range(turns)))
+
+
+def test_select_per_group_takes_first_n_of_each_group():
+    qs = [_q(1, "writing", 2), _q(2, "math", 2), _q(3, "coding", 2), _q(4, "qa"), _q(5, "qa"), _q(6, "qa"),
+          _q(7, "rag")]
+    assert [q.question_id for q in select_per_group(qs, 2)] == [1, 2, 4, 5, 7]
+    assert [q.question_id for q in select_per_group(qs, None)] == [1, 2, 3, 4, 5, 6, 7]
+    assert [q.question_id for q in select_per_group(qs, 1, ["qa", "rag"])] == [4, 7]
+    with pytest.raises(SuiteError, match="translation"):
+        select_per_group(qs, 1, ["translation"])
+    with pytest.raises(SuiteError):
+        select_per_group(qs, 0)
+
+
+def test_spread_round_robin():
+    qs = [_q(1, "a"), _q(2, "a"), _q(3, "b"), _q(4, "c"), _q(5, "c")]
+    assert [q.question_id for q in spread(qs, 4)] == [1, 3, 4, 2]
+    assert len(spread(qs, 50)) == 5
+    mt = [_q(1, "writing"), _q(2, "roleplay"), _q(3, "math"), _q(4, "qa"), _q(5, "qa")]
+    assert [q.question_id for q in spread(mt, 4)] == [1, 4, 2, 5]  # by group: MT-bench counts as one
+
+
+def test_parse_suite_ok():
+    text = ('{"question_id": 1, "category": "writing", "turns": ["a", "b"]}\n\n'
+            '{"question_id": "x2", "category": "qa", "turns": ["c"]}\n')
+    qs = parse_suite(text)
+    assert qs == [Question(1, "writing", ("a", "b")), Question("x2", "qa", ("c",))]
+    assert qs[0].group == MULTI_TURN
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"question_id": 1, "turns": ["a"]}', "missing field"),
+    ('{"question_id": 1, "category": "qa", "turns": "a"}', "turns must be"),
+    ('{"question_id": 1, "category": "qa", "turns": []}', "turns must be"),
+    ('{"question_id": 1, "category": "", "turns": ["a"]}', "category"),
+    ('{"question_id": true, "category": "qa", "turns": ["a"]}', "question_id"),
+])
+def test_parse_suite_bad_line_names_the_line(line, message):
+    good = '{"question_id": 0, "category": "qa", "turns": ["ok"]}'
+    with pytest.raises(SuiteError, match=rf"s\.jsonl:2: .*{message}"):
+        parse_suite(f"{good}\n{line}\n", "s.jsonl")
+
+
+def test_parse_suite_duplicates_and_empty(tmp_path):
+    line = '{"question_id": 1, "category": "qa", "turns": ["a"]}'
+    with pytest.raises(SuiteError, match="duplicate"):
+        parse_suite(f"{line}\n{line}\n")
+    with pytest.raises(SuiteError, match="no prompts"):
+        parse_suite("\n\n")
+    with pytest.raises(SuiteError, match="cannot read"):
+        load_suite(tmp_path / "missing.jsonl")
+
+
+def test_bundled_mini_suite_covers_the_six_groups():
+    qs = load_suite(None)
+    assert DEFAULT_SUITE.exists()
+    counts = {g: sum(q.group == g for q in qs) for g in GROUPS}
+    assert counts == {g: 2 for g in GROUPS}
+    assert all(len(q.turns) == 2 for q in qs if q.group == MULTI_TURN)
+
+
+# -------------------------------------------------------------------------------------- prompts & loop
+
+
+class FakeTokenizer:
+    def __init__(self, chat: bool) -> None:
+        self.has_chat_template = chat
+
+    def apply_chat_template(self, messages):
+        text = "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+        return [ord(c) for c in text]
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def _text(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_prompt_builder_chat_and_plain():
+    chat = PromptBuilder(FakeTokenizer(True))
+    assert _text(chat(["hi"], [])) == "user:hi|assistant:"
+    assert _text(chat(["hi", "more"], ["hello"])) == "user:hi|assistant:hello|user:more|assistant:"
+    plain = PromptBuilder(FakeTokenizer(False))
+    assert not plain.chat
+    assert _text(plain(["hi", "more"], ["hello"])) == "hi\n\nhello\n\nmore\n\n"
+
+
+class FakeMethod:
+    """Answers with a fixed text; records calls. Ours-like when `drafts`, else a peer."""
+
+    def __init__(self, name, calls, answer="ok", drafts=True, kind="ours", baseline="plain", tokens=None,
+                 seconds=1.0):
+        self.name, self.calls, self.answer, self.drafts = name, calls, answer, drafts
+        self.kind, self.baseline, self.tokens, self.seconds = kind, baseline, tokens, seconds
+
+    def run(self, prompt_ids, params):
+        self.calls.append((self.name, _text(prompt_ids)))
+        ids = list(self.tokens) if self.tokens is not None else [ord(c) for c in self.answer]
+        run = {"token_ids": ids, "text": self.answer, "tokens": len(ids), "time_s": self.seconds,
+               "ttft_s": 0.01, "finish_reason": "length"}
+        if self.drafts:
+            run.update(target_forwards=len(ids) // 2, produced_tokens=len(ids) - 1, drafted=len(ids),
+                       accepted=len(ids) // 2, drafted_per_position=[2, 1], accepted_per_position=[1, 1])
+        return run
+
+
+def test_run_suite_interleaves_and_feeds_each_methods_own_answer():
+    calls: list = []
+    methods = [FakeMethod("plain", calls, "P"), FakeMethod("ngram", calls, "N")]
+    qs = [_q(1, "writing", 2), _q(2, "qa")]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    runs = run_suite(methods, qs, PromptBuilder(FakeTokenizer(True)), params, repeats=2, progress=False)
+    # prompt -> repeat -> method -> turns
+    assert [c[0] for c in calls] == ["plain", "plain", "ngram", "ngram"] * 2 + ["plain", "ngram"] * 2
+    assert calls[1][1] == "user:turn 0 of 1|assistant:P|user:turn 1 of 1|assistant:"
+    assert calls[3][1] == "user:turn 0 of 1|assistant:N|user:turn 1 of 1|assistant:"
+    assert set(runs) == {(0, 0), (0, 1), (1, 0)}
+    assert len(runs[(0, 1)]["ngram"]) == 2
+    assert runs[(1, 0)]["plain"][0]["prompt_ids"] == [ord(c) for c in "user:turn 0 of 2|assistant:"]
+
+
+# ---------------------------------------------------------------------------------------- results.json
+
+
+def _synthetic_results(temperature=0.0, diverge=True):
+    calls: list = []
+    qs = [_q(1, "writing", 2), _q(2, "qa"), _q(3, "rag")]
+    methods = [FakeMethod("plain", calls, "abcdefgh", seconds=2.0),
+               FakeMethod("ngram", calls, "abcdefgh", seconds=1.0),
+               FakeMethod("quant:int8", calls, "abcXefgh" if diverge else "abcdefgh", seconds=1.6),
+               FakeMethod("hf-bf16", calls, "abcdefgh", drafts=False, kind="peer", baseline="hf-bf16",
+                          seconds=4.0),
+               FakeMethod("hf-bf16-pld", calls, "abcdefgX", drafts=False, kind="peer", baseline="hf-bf16",
+                          seconds=3.0)]
+    params = SamplingParams(temperature=temperature, max_tokens=8)
+    runs = run_suite(methods, qs, PromptBuilder(FakeTokenizer(True)), params, repeats=3, progress=False)
+    gaps = []
+
+    def gap_fn(prompt_ids, prefix):
+        gaps.append((len(prompt_ids), list(prefix)))
+        return {"logit_gap": 0.125, "top1": 1, "top2": 2}
+
+    info = [{"name": m.name, "kind": m.kind, "baseline": m.baseline} for m in methods]
+    hdr = header(["specdraft", "bench", "--max-tokens", "8"])
+    hdr.update(model="fake", dtype="bf16")
+    config = {"suite": "synthetic", "per_category": None, "groups": None, "methods": ["plain", "ngram"],
+              "peers": ["hf-bf16"], "k": 5, "adaptive": True, "temperature": temperature, "max_tokens": 8,
+              "repeats": 3, "seed": 0, "max_model_len": 4096, "chat_template": True}
+    results = build_results(hdr, config, qs, info, runs, params.greedy,
+                            [{"peer": "llamacpp", "reason": "llama-cpp-python is not installed"}],
+                            gap_fn=gap_fn, piece_fn=chr)
+    return results, gaps
+
+
+def test_results_schema_and_numbers():
+    results, gaps = _synthetic_results()
+    json.loads(json.dumps(results))  # serializable
+    assert results["schema_version"] == 1 and results["kind"] == "specdraft-bench"
+    for key in ("header", "config", "greedy", "methods", "skipped_peers", "groups", "summary", "samples",
+                "divergences"):
+        assert key in results
+    for key in ("machine", "versions", "model", "dtype", "date", "command"):
+        assert key in results["header"]
+    for key in ("cpu", "logical_cores", "torch_threads"):
+        assert key in results["header"]["machine"]
+    assert results["header"]["command"] == "specdraft bench --max-tokens 8"
+    assert results["groups"] == [MULTI_TURN, "qa", "rag"]
+    assert set(results["summary"]) == {MULTI_TURN, "qa", "rag", OVERALL}
+    assert [m["name"] for m in results["methods"]] == ["plain", "ngram", "quant:int8", "hf-bf16",
+                                                       "hf-bf16-pld"]
+
+    overall = results["summary"][OVERALL]
+    fields = {"samples": int, "tokens": (int, float), "time_s": float, "tokens_per_s": float,
+              "speedup": float, "ttft_s": float}
+    for name, agg in overall.items():
+        for key, typ in fields.items():
+            assert isinstance(agg[key], typ), (name, key)
+        for key in ("mean_accepted_length", "acceptance_rate", "per_position_acceptance", "identical",
+                    "compared", "identical_to_baseline", "compared_to_baseline", "drafted_per_position"):
+            assert key in agg
+    assert overall["plain"]["speedup"] == 1.0
+    assert overall["ngram"]["speedup"] == pytest.approx(2.0)
+    assert overall["hf-bf16"]["speedup"] == pytest.approx(0.5)
+    assert overall["ngram"]["samples"] == 4  # the two-turn prompt counts twice
+    assert overall["ngram"]["tokens_per_s"] == pytest.approx(8.0)
+    assert overall["ngram"]["mean_accepted_length"] == pytest.approx(7 / 4)
+    assert overall["ngram"]["acceptance_rate"] == pytest.approx(0.5)
+    assert overall["ngram"]["per_position_acceptance"] == pytest.approx([0.5, 1.0])
+    assert overall["hf-bf16"]["mean_accepted_length"] is None
+    assert overall["hf-bf16"]["acceptance_rate"] is None
+
+    # identity (greedy): ngram identical; quant diverges at position 3 (turn 2 of the MT prompt then has a
+    # different prompt); hf-bf16-pld differs from plain and from its own plain at the last position.
+    assert (overall["ngram"]["identical"], overall["ngram"]["compared"]) == (4, 4)
+    assert overall["quant:int8"]["identical"] == 0
+    assert overall["plain"]["identical"] is None
+    assert (overall["hf-bf16"]["identical"], overall["hf-bf16"]["identical_to_baseline"]) == (4, None)
+    assert overall["hf-bf16-pld"]["identical_to_baseline"] == 0
+    assert overall["hf-bf16-pld"]["compared_to_baseline"] == 4
+    quant = [d for d in results["divergences"] if d["method"] == "quant:int8"]
+    assert len(quant) == 4
+    first = quant[0]
+    assert (first["position"], first["reference_token"], first["method_token"]) == (3, ord("d"), ord("X"))
+    assert first["reference_piece"] == "d" and first["logit_gap"] == 0.125 and not first["prompt_differs"]
+    assert any(d["prompt_differs"] and d["position"] is None and d["turn"] == 2 for d in quant)
+    pld = [d for d in results["divergences"] if d["method"] == "hf-bf16-pld"]
+    assert {d["reference"] for d in pld} == {"plain", "hf-bf16"}
+    assert all(d["logit_gap"] is None for d in pld if d["reference"] == "hf-bf16")
+    assert {"".join(map(chr, prefix)) for _, prefix in gaps} == {"abc", "abcdefg"}
+
+    sample = results["samples"][0]
+    assert (sample["question_id"], sample["turn"], sample["group"]) == (1, 1, MULTI_TURN)
+    m = sample["methods"]["ngram"]
+    assert m["times_s"] == [1.0, 1.0, 1.0] and m["identical_to_plain"] is True
+    assert isinstance(m["prompt_tokens"], int) and m["text"] == "abcdefgh"
+
+
+def test_results_at_temperature_say_identity_is_not_applicable():
+    results, gaps = _synthetic_results(temperature=0.7)
+    assert results["greedy"] is False
+    assert results["divergences"] == [] and gaps == []
+    for agg in results["summary"][OVERALL].values():
+        assert agg["identical"] is None and agg["compared"] is None
+    md = report.render_markdown(results)
+    assert "n/a" in md
+
+
+def test_report_files_are_written(tmp_path):
+    results, _ = _synthetic_results()
+    files = report.write_all(results, tmp_path / "out")
+    names = sorted(p.name for p in files)
+    assert names == ["acceptance.png", "report.md", "results.json", "speedup.png"]
+    for png in ("speedup.png", "acceptance.png"):
+        data = (tmp_path / "out" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written["summary"][OVERALL]["plain"]["speedup"] == 1
+    md = (tmp_path / "out" / "report.md").read_text()
+    for text in ("## Speedup over plain", "| ngram |", "2.00x", "## Acceptance by draft position",
+                 "## Divergences from plain", "peer llamacpp skipped", "command: specdraft bench",
+                 "4/4", "own plain 0/4"):
+        assert text in md, text
+    assert "speedup" in report.console_summary(results).lower()
+
+
+def test_plots_without_drafting_methods(tmp_path):
+    results, _ = _synthetic_results()
+    for agg in results["summary"][OVERALL].values():
+        agg["per_position_acceptance"] = None
+    assert report.plot_acceptance(results, tmp_path / "a.png").exists()
+
+
+# ------------------------------------------------------------------------------------- methods & peers
+
+
+def test_parse_methods_and_peers():
+    assert parse_methods("ngram,quant:int8") == ["plain", "ngram", "quant:int8"]
+    assert parse_methods("ngram,plain") == ["plain", "ngram"]
+    with pytest.raises(SpecdraftError, match="duplicate"):
+        parse_methods("ngram,ngram")
+    assert parse_peers("hf,llamacpp") == ["hf-bf16", "hf-fp32", "llamacpp"]
+    assert parse_peers("hf-fp32,hf") == ["hf-fp32", "hf-bf16"]
+    assert parse_peers("") == [] and parse_peers(None) == []
+    with pytest.raises(SpecdraftError, match="unknown peer"):
+        parse_peers("vllm")
+
+
+def test_missing_peers_are_skipped_with_a_message(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    messages: list[str] = []
+    methods, skipped = load_peers(["hf-bf16", "llamacpp"], "smollm2-135m", FakeTokenizer(True), 512,
+                                  log=messages.append)
+    assert methods == []
+    assert [s["peer"] for s in skipped] == ["hf-bf16", "llamacpp"]
+    assert "llama-cpp-python is not installed" in skipped[1]["reason"]
+    assert "transformers" in skipped[0]["reason"]
+    assert messages == [f"peer {s['peer']} skipped: {s['reason']}" for s in skipped]
+
+    # ... and the run goes on with the remaining methods; the report says what was skipped.
+    calls: list = []
+    ours = [FakeMethod("plain", calls, "ab"), FakeMethod("ngram", calls, "ab")] + methods
+    qs = [_q(1, "qa")]
+    runs = run_suite(ours, qs, PromptBuilder(FakeTokenizer(True)), SamplingParams(temperature=0), 1,
+                     progress=False)
+    info = [{"name": m.name, "kind": m.kind, "baseline": m.baseline} for m in ours]
+    hdr = header([])
+    results = build_results(hdr, {}, qs, info, runs, True, skipped)
+    assert results["skipped_peers"] == skipped
+    assert "peer llamacpp skipped: llama-cpp-python is not installed" in report.render_markdown(results)
+
+
+def test_llamacpp_needs_a_gguf(tmp_path):
+    with pytest.raises(PeerUnavailable, match="not a GGUF"):
+        gguf_path(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- machine
+
+
+def test_header_lines():
+    h = header(["specdraft", "bench-runtime", "--prompts", "2"])
+    h["model"] = "m"
+    lines = header_lines(h)
+    assert lines[0].startswith("machine: ") and "torch threads" in lines[0]
+    assert any(line.startswith("versions: python") and "torch" in line for line in lines)
+    assert lines[-1] == "command: specdraft bench-runtime --prompts 2"
+    assert isinstance(h["machine"]["logical_cores"], int)
+
+
+# --------------------------------------------------------------------------------------- runtime bench
+
+
+def test_weight_bytes_tied_and_untied():
+    emb = torch.zeros(10, 4, dtype=torch.bfloat16)
+    lin = torch.zeros(3, 4, dtype=torch.bfloat16)
+    head = torch.zeros(10, 4, dtype=torch.bfloat16)
+    # tied: the embedding table is the LM head, counted once
+    tied = [("embed.weight", emb), ("layer.weight", lin), ("lm_head.weight", emb)]
+    assert weight_bytes_per_token(tied, emb, emb) == (40 + 12) * 2
+    # untied: the lookup table is not read per token, the head is
+    untied = [("embed.weight", emb), ("layer.weight", lin), ("lm_head.weight", head)]
+    assert weight_bytes_per_token(untied, emb, head) == (12 + 40) * 2
+    assert weight_bytes_per_token(untied, emb, head, dtype_bytes=4) == (12 + 40) * 4
+    assert floor_ms(2_000_000, 1e9) == pytest.approx(2.0)
+
+
+def test_runtime_aggregation_and_results():
+    s1 = summarize_runs([{"tokens": 11, "total_s": 1.2, "prefill_s": 0.2}, {"tokens": 11, "total_s": 1.1,
+                                                                             "prefill_s": 0.1},
+                         {"tokens": 11, "total_s": 1.0, "prefill_s": 0.3}])
+    assert s1["total_s"] == 1.1 and s1["prefill_s"] == 0.2 and s1["decode_s"] == pytest.approx(0.9)
+    agg = aggregate_runtime([dict(s1, prompt_tokens=50), dict(s1, prompt_tokens=30)])
+    assert agg["decode_tokens"] == 20 and agg["decode_tokens_per_s"] == pytest.approx(20 / 1.8)
+    assert agg["ms_per_token"] == pytest.approx(1000 * 1.8 / 20)
+    assert agg["prefill_tokens_per_s"] == pytest.approx(80 / 0.4)
+
+    def sample(ours_total, hf_total):
+        return {"question_id": 1, "category": "qa", "prompt_tokens": 40, "methods": {
+            "ours-bf16": summarize_runs([{"tokens": 11, "total_s": ours_total, "prefill_s": 0.1}]),
+            "hf-bf16": summarize_runs([{"tokens": 11, "total_s": hf_total, "prefill_s": 0.1}])}}
+
+    results = build_runtime_results(
+        {"machine": {}, "versions": {}}, {"prompts": 2},
+        {"fp32_gb_s": 10.0, "bf16_gb_s": 8.0, "used_gb_s": 10.0, "tensor_bytes": 1 << 30},
+        {"bf16_bytes": 10_000_000, "fp32_bytes": 20_000_000, "parameters": 5_000_000,
+         "tied_embeddings": True},
+        {"ours-bf16": ("specdraft", "bf16"), "hf-bf16": ("transformers", "bf16")},
+        [sample(0.6, 1.1), sample(0.6, 1.1)])
+    ours, hf = results["methods"]["ours-bf16"], results["methods"]["hf-bf16"]
+    assert ours["decode_tokens_per_s"] == pytest.approx(20.0)
+    assert hf["decode_tokens_per_s"] == pytest.approx(10.0)
+    assert ours["vs_hf_bf16"] == pytest.approx(2.0) and hf["vs_hf_bf16"] == pytest.approx(1.0)
+    assert ours["floor_ms_per_token"] == pytest.approx(1.0)
+    assert ours["x_of_floor"] == pytest.approx(50.0)
+    json.dumps(results)
+    table = render_table(results)
+    assert "ours-bf16" in table and "2.00x" in table and "50.0x" in table
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_registers_both_commands():
+    from specdraft.bench.cli import add_bench_commands
+
+    parser = argparse.ArgumentParser()
+    add_bench_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench"])
+    assert (args.max_tokens, args.temperature, args.k, args.repeats) == (128, 0.0, 5, 1)
+    assert args.out == "bench-out"
+    assert args.suite is None and args.per_category is None and not args.no_adaptive
+    args = parser.parse_args(["bench", "--methods", "plain,ngram", "--peers", "hf", "--per-category", "2",
+                              "--no-adaptive", "-k", "3"])
+    assert (args.methods, args.peers, args.per_category, args.no_adaptive, args.k) == (
+        "plain,ngram", "hf", 2, True, 3)
+    args = parser.parse_args(["bench-runtime", "--prompts", "3", "--no-hf"])
+    assert (args.prompts, args.no_hf, args.max_tokens, args.model) == (3, True, 128, "smollm2-135m")
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+def _have_smollm2() -> bool:
+    try:
+        from specdraft.runtime.loader import CATALOG
+
+        CATALOG["smollm2-135m"].locate()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_smollm2(), reason="smollm2-135m is not installed")
+def test_bench_end_to_end_tiny(tmp_path):
+    from specdraft.cli import main
+
+    out = tmp_path / "bench"
+    rc = main(["bench", "--per-category", "1", "--groups", "qa,translation", "--max-tokens", "8",
+               "--methods", "plain,ngram", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    for name in ("results.json", "report.md", "speedup.png", "acceptance.png"):
+        assert (out / name).exists(), name
+    results = json.loads((out / "results.json").read_text())
+    assert results["groups"] == ["translation", "qa"]
+    overall = results["summary"][OVERALL]
+    assert overall["plain"]["mean_accepted_length"] == 1.0
+    assert overall["ngram"]["identical"] == overall["ngram"]["compared"] == 2  # lossless
+    assert not math.isnan(overall["ngram"]["speedup"])

@@ -1,0 +1,291 @@
+"""Engine losslessness and edge cases on tiny random models (fast; the real-model checks live elsewhere)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+from tiny_models import ToyTokenizer, tiny_model
+
+from specdraft.drafters.base import Proposal
+from specdraft.drafters.draft_model import ModelDrafter
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.drafters.quant import make_quant_drafter
+from specdraft.drafters.self_draft import make_self_drafter
+from specdraft.engine import generate as engine_module
+from specdraft.engine.adaptive import AdaptiveConfig
+from specdraft.engine.generate import BONUS, CORRECTION, DRAFT, SpeculativeEngine
+from specdraft.runtime.errors import ContextOverflowError, SpecdraftError
+from specdraft.verify.sampling import SamplingParams
+
+VOCAB = 16
+FIXED = AdaptiveConfig(enabled=False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(seed=1, vocab=VOCAB)
+
+
+def engine(model, drafter=None, k=4, adaptive=FIXED, eos=None, max_len=256):
+    return SpeculativeEngine(model, ToyTokenizer(VOCAB, eos), drafter, k, adaptive, max_model_len=max_len)
+
+
+def prompts(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+class OracleDrafter:
+    """Proposes a known continuation (the plain greedy output): always right."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len: int, continuation: list[int], wrong: bool = False) -> None:
+        self.prompt_len, self.continuation, self.wrong = prompt_len, continuation, wrong
+
+    def start(self, prompt_ids, params, generator, target_cache=None) -> None:
+        pass
+
+    def propose(self, context, max_k) -> Proposal:
+        done = len(context) - self.prompt_len
+        tokens = self.continuation[done:done + max_k]
+        if self.wrong:
+            tokens = [(t + 1) % VOCAB for t in tokens]
+        return Proposal(tokens)
+
+    def accepted(self, num_accepted, context) -> None:
+        pass
+
+
+class SilentDrafter(OracleDrafter):
+    def propose(self, context, max_k) -> Proposal:
+        return Proposal([])
+
+
+def make_drafters(target, draft):
+    return {
+        "ngram": lambda: NgramDrafter(),
+        "draft": lambda: ModelDrafter(draft, max_len=256),
+        "self:1": lambda: make_self_drafter(target, 1, max_len=256),
+        "quant:int8": lambda: make_quant_drafter(target, 8, max_len=256),
+        "draft=target": lambda: ModelDrafter(target, max_len=256),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "self:1", "quant:int8", "draft=target"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("adaptive", [FIXED, AdaptiveConfig()])
+def test_greedy_identity(name, dtype, adaptive):
+    target = tiny_model(seed=0, vocab=VOCAB, dtype=dtype)
+    draft = tiny_model(seed=1, vocab=VOCAB, dtype=dtype)
+    drafter = make_drafters(target, draft)[name]()
+    plain, spec = engine(target), engine(target, drafter, k=4, adaptive=adaptive)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for ids in prompts():
+        expected = plain.generate(ids, params).token_ids
+        got = spec.generate(ids, params)
+        assert got.token_ids == expected, f"{name} diverged from plain greedy for prompt {ids}"
+        if name == "draft=target" and adaptive is FIXED:
+            assert got.metrics.acceptance_rate == 1.0
+    assert spec.totals.drafted > 0, "the drafter never drafted: the test would prove nothing"
+
+
+def test_metrics_with_an_always_right_drafter(target):
+    ids = [1, 2, 3]
+    plain = engine(target).generate(ids, SamplingParams(temperature=0, max_tokens=21))
+    spec = engine(target, OracleDrafter(3, plain.token_ids), k=4)
+    result = spec.generate(ids, SamplingParams(temperature=0, max_tokens=21))
+    assert result.token_ids == plain.token_ids
+    m = result.metrics
+    # 1 token from prefill, then 4 rounds of 4 drafts + bonus.
+    assert m.target_forwards == 4 and m.drafted == 16 and m.accepted == 16
+    assert m.mean_accepted_length == 5.0 and m.acceptance_rate == 1.0
+    assert m.per_position_acceptance == [1.0] * 4
+    assert result.origins == ["target"] + ([DRAFT] * 4 + [BONUS]) * 4
+    assert plain.metrics.mean_accepted_length == 1.0
+
+
+def test_always_wrong_drafter_is_lossless_and_falls_back(target):
+    ids = [4, 5, 6]
+    params = SamplingParams(temperature=0, max_tokens=120)
+    plain = engine(target).generate(ids, params)
+    wrong = OracleDrafter(3, plain.token_ids, wrong=True)
+    result = engine(target, wrong, k=4, adaptive=AdaptiveConfig(reprobe_after=16)).generate(ids, params)
+    assert result.token_ids == plain.token_ids
+    m = result.metrics
+    assert m.accepted == 0
+    assert m.fallback_events >= 1 and m.fallback_rounds > 0.6 * m.target_forwards
+    assert all(o in ("target", CORRECTION) for o in result.origins)
+    assert any("fallback" in line for line in result.adaptation_log)
+
+
+def test_eos_inside_accepted_block(target):
+    ids = [7, 8, 9]
+    plain = engine(target).generate(ids, SamplingParams(temperature=0, max_tokens=30))
+    eos = plain.token_ids[6]  # the 7th generated token plays EOS
+    first = plain.token_ids.index(eos)
+    expected = plain.token_ids[:first + 1]
+    for drafter in (None, OracleDrafter(3, plain.token_ids)):
+        result = engine(target, drafter, k=5, eos=eos).generate(ids, SamplingParams(temperature=0, max_tokens=30))
+        assert result.token_ids == expected and result.finish_reason == "stop"
+        assert chr(97 + eos) not in result.text[-1:] or len(result.text) == first
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_max_tokens_inside_accepted_block(target, max_tokens):
+    ids = [1, 1, 2]
+    plain = engine(target).generate(ids, SamplingParams(temperature=0, max_tokens=30))
+    result = engine(target, OracleDrafter(3, plain.token_ids), k=5).generate(
+        ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    assert result.token_ids == plain.token_ids[:max_tokens]
+    assert result.finish_reason == "length"
+
+
+def test_stop_string_inside_accepted_block(target):
+    ids = [3, 1, 4]
+    plain = engine(target).generate(ids, SamplingParams(temperature=0, max_tokens=30))
+    stop = plain.text[5:7]
+    cut = plain.text.find(stop)
+    result = engine(target, OracleDrafter(3, plain.token_ids), k=5).generate(
+        ids, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    assert result.text == plain.text[:cut] and result.finish_reason == "stop"
+    assert len(result.token_ids) == cut + len(stop)
+
+
+def test_drafter_proposing_nothing_equals_plain(target):
+    params = SamplingParams(temperature=0, max_tokens=25)
+    for ids in prompts(3):
+        plain = engine(target).generate(ids, params)
+        result = engine(target, SilentDrafter(0, []), k=4).generate(ids, params)
+        assert result.token_ids == plain.token_ids and result.metrics.drafted == 0
+
+
+def test_k_larger_than_budget_and_context(target, draft):
+    spec = engine(target, ModelDrafter(draft, max_len=64), k=16, max_len=64)
+    plain = engine(target, max_len=64)
+    ids = list(range(10))
+    params = SamplingParams(temperature=0, max_tokens=64 - len(ids))  # fills the context exactly
+    assert spec.generate(ids, params).token_ids == plain.generate(ids, params).token_ids
+    with pytest.raises(ContextOverflowError):
+        spec.generate(ids, SamplingParams(max_tokens=64 - len(ids) + 1))
+
+
+def test_bad_requests_leave_engine_usable(target, draft):
+    spec = engine(target, ModelDrafter(draft, max_len=256), k=3)
+    with pytest.raises(SpecdraftError):
+        spec.generate([], SamplingParams())
+    with pytest.raises(SpecdraftError):
+        spec.generate([VOCAB + 5], SamplingParams())
+    params = SamplingParams(temperature=0, max_tokens=10)
+    assert spec.generate([1, 2], params).token_ids == engine(target).generate([1, 2], params).token_ids
+
+
+def test_seed_reproducible(target, draft):
+    spec = engine(target, ModelDrafter(draft, max_len=256), k=3)
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=123)
+    assert spec.generate([1, 2], params).token_ids == spec.generate([1, 2], params).token_ids
+
+
+# ---------------------------------------------------------------- distribution (speculative sampling)
+
+NUM_SAMPLES = 20_000
+PROMPT = [3, 7, 1]
+
+
+def exact_joint(model, params: SamplingParams) -> torch.Tensor:
+    """P(first two tokens) under plain sampling from the target, computed exactly: [VOCAB * VOCAB]."""
+    from specdraft.verify.sampling import logits_to_probs
+
+    cache = model.new_cache(16, num_slots=VOCAB)
+    seqs = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
+    logits = model(seqs, cache)
+    first = logits_to_probs(logits[0, len(PROMPT) - 1], params)
+    second = logits_to_probs(logits[:, -1], params)
+    return (first[:, None] * second).flatten()
+
+
+def sample_joint(eng: SpeculativeEngine, params: SamplingParams, n: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB * VOCAB)
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        seeded = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                min_p=params.min_p, max_tokens=2, seed=int(torch.randint(0, 2**62, (1,),
+                                                                                       generator=generator)))
+        first, second = eng.generate(PROMPT, seeded).token_ids
+        counts[first * VOCAB + second] += 1
+    return counts
+
+
+def matches(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, float, float]:
+    """Chi-square (bins with expected count < 5 pooled) and total variation against the exact joint."""
+    n = counts.sum().item()
+    expected = probs * n
+    if (counts[probs == 0] > 0).any():
+        return False, 0.0, 1.0
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    scale = obs[keep].sum().item() / exp[keep].sum().item()
+    p_value = stats.chisquare(obs[keep].numpy(), exp[keep].numpy() * scale).pvalue
+    tv = 0.5 * (counts / n - probs).abs().sum().item()
+    tv_bound = 0.5 * math.sqrt(big.sum().item() / n) + math.sqrt(math.log(1e6) / (2 * n))
+    return bool(p_value > 1e-4 and tv < tv_bound), float(p_value), tv
+
+
+SETTINGS = {
+    "temperature 1": SamplingParams(temperature=1.0),
+    "temperature 0.7 + top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k 4": SamplingParams(temperature=1.0, top_k=4),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_speculative_sampling_matches_target_distribution(target, draft, setting):
+    params = SETTINGS[setting]
+    spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
+    counts = sample_joint(spec, params, NUM_SAMPLES)
+    ok, p_value, tv = matches(counts, exact_joint(target, params))
+    assert spec.totals.drafted == NUM_SAMPLES and 0 < spec.totals.accepted < NUM_SAMPLES
+    assert ok, f"{setting}: speculative sampling differs from the target (p={p_value:.2e}, TV={tv:.4f})"
+
+
+def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=None):
+    """Planted bug: resample from target_probs instead of norm(max(0, target - draft)) after a rejection."""
+    from specdraft.verify.sampling import sample
+
+    batch, k = draft_tokens.shape
+    picked_target = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
+    picked_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand(picked_target.shape, generator=generator)
+    accept = (u * picked_draft < picked_target).long()
+    accepted_len = accept.cumprod(-1).sum(-1)
+    out = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1)
+    rows = target_probs[torch.arange(batch), accepted_len]
+    out[torch.arange(batch), accepted_len] = sample(rows, generator)
+    return accepted_len, out
+
+
+def test_distribution_test_catches_a_broken_verifier(target, draft, monkeypatch):
+    monkeypatch.setattr(engine_module, "rejection_verify", broken_residual_verify)
+    params = SETTINGS["temperature 1"]
+    spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
+    ok, p_value, tv = matches(sample_joint(spec, params, NUM_SAMPLES), exact_joint(target, params))
+    assert not ok and p_value < 1e-6, f"broken verifier not caught (p={p_value:.2e}, TV={tv:.4f})"
+
+
+def test_exact_joint_is_a_distribution(target):
+    for params in SETTINGS.values():
+        joint = exact_joint(target, params)
+        assert abs(joint.sum().item() - 1) < 1e-5
+    # top-k 4 leaves 4 first tokens, each followed by 4 second tokens.
+    assert (exact_joint(target, SETTINGS["top_k 4"]) > 0).sum().item() == 16
