@@ -80,3 +80,12 @@ def test_every_drafter_matches_plain_greedy(model_name, dtype):
         if spec.startswith("draft:") and spec.endswith(model_name):
             assert stats.acceptance_rate >= 0.99, "draft = target must accept (almost) everything"
     print("\n".join(report) or f"{model_name} {dtype}: all outputs identical")
+
+
+def test_mismatched_draft_tokenizer_is_refused():
+    from specdraft.runtime.errors import SpecdraftError
+
+    target = load_model("smollm2-135m", progress=False)
+    tokenizer = load_tokenizer("smollm2-135m", progress=False)
+    with pytest.raises(SpecdraftError, match="tokenizers do not match"):
+        make_drafter("draft:gemma3-270m", target, tokenizer)

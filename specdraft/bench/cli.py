@@ -19,8 +19,15 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_fallback(args: argparse.Namespace) -> int:
+    from specdraft.bench.fallback_bench import run_fallback_bench
+
+    run_fallback_bench(args)
+    return 0
+
+
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    from specdraft.bench import runtime_bench, specbench
+    from specdraft.bench import fallback_bench, runtime_bench, specbench
 
     bench = sub.add_parser(
         "bench", help="Spec-Bench style comparison of decoding methods per category",
@@ -37,3 +44,10 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
                     "runtime.json.")
     runtime_bench.add_arguments(runtime)
     runtime.set_defaults(func=cmd_bench_runtime)
+
+    fallback = sub.add_parser(
+        "bench-fallback", help="cost of an always-wrong drafter with automatic fallback, vs plain decoding",
+        description="Plain decoding vs a drafter whose tokens are always rejected, with and without adaptive "
+                    "fallback, interleaved on the same prompts; writes fallback.json.")
+    fallback_bench.add_arguments(fallback)
+    fallback.set_defaults(func=cmd_bench_fallback)

