@@ -218,9 +218,10 @@ def sample_joint(eng: SpeculativeEngine, params: SamplingParams, n: int) -> torc
     generator = torch.Generator().manual_seed(1234)
     for _ in range(n):
         seeded = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                min_p=params.min_p, max_tokens=2, seed=int(torch.randint(0, 2**62, (1,),
+                                min_p=params.min_p, max_tokens=3, seed=int(torch.randint(0, 2**62, (1,),
                                                                                        generator=generator)))
-        first, second = eng.generate(PROMPT, seeded).token_ids
+        # max_tokens 3: the round after prefill drafts one token, so token 2 passes through verification.
+        first, second = eng.generate(PROMPT, seeded).token_ids[:2]
         counts[first * VOCAB + second] += 1
     return counts
 
@@ -249,8 +250,15 @@ SETTINGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def small_pair():
+    """One-layer target and draft: the distribution tests run 20,000 generations each."""
+    return tiny_model(seed=0, vocab=VOCAB, layers=1), tiny_model(seed=1, vocab=VOCAB, layers=1)
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_speculative_sampling_matches_target_distribution(target, draft, setting):
+def test_speculative_sampling_matches_target_distribution(small_pair, setting):
+    target, draft = small_pair
     params = SETTINGS[setting]
     spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
     counts = sample_joint(spec, params, NUM_SAMPLES)
@@ -264,6 +272,8 @@ def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=No
     from specdraft.verify.sampling import sample
 
     batch, k = draft_tokens.shape
+    if k == 0:
+        return torch.zeros(batch, dtype=torch.long), sample(target_probs[:, 0], generator)[:, None]
     picked_target = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     picked_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
     u = torch.rand(picked_target.shape, generator=generator)
@@ -275,15 +285,18 @@ def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=No
     return accepted_len, out
 
 
-def test_distribution_test_catches_a_broken_verifier(target, draft, monkeypatch):
+def test_distribution_test_catches_a_broken_verifier(small_pair, monkeypatch):
+    """The same check, on a planted bug; a quarter of the samples already rejects it by a wide margin."""
+    target, draft = small_pair
     monkeypatch.setattr(engine_module, "rejection_verify", broken_residual_verify)
     params = SETTINGS["temperature 1"]
     spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
-    ok, p_value, tv = matches(sample_joint(spec, params, NUM_SAMPLES), exact_joint(target, params))
+    ok, p_value, tv = matches(sample_joint(spec, params, NUM_SAMPLES // 4), exact_joint(target, params))
     assert not ok and p_value < 1e-6, f"broken verifier not caught (p={p_value:.2e}, TV={tv:.4f})"
 
 
-def test_exact_joint_is_a_distribution(target):
+def test_exact_joint_is_a_distribution(small_pair):
+    target, _ = small_pair
     for params in SETTINGS.values():
         joint = exact_joint(target, params)
         assert abs(joint.sum().item() - 1) < 1e-5
