@@ -34,7 +34,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma_style else torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma_style:
             return (normed * (1.0 + self.weight.float())).type_as(x)
         return self.weight * normed.type_as(x)
@@ -87,7 +88,8 @@ class Linear(nn.Linear):
         if rows == 1:
             y = torch.mv(self.weight, flat[0])[None]
         else:
-            y = torch.mm(self.weight, flat.t()).t()
+            # Row-major again: later reductions over a strided last dim would round differently per T.
+            y = torch.mm(self.weight, flat.t()).t().contiguous()
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -111,7 +113,7 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor) -> torch.Tensor:
         """k_cache/v_cache [S, Hkv, L, D] of this layer; index = (slot [B, 1], cache position [B, T]) of each
-        new token; mask [B, 1, 1, T, key_len] additive."""
+        new token; mask [B, 1, T, 1, key_len] additive."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -129,16 +131,30 @@ class Attention(nn.Module):
         keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
 
         # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
+        # Grouped-query attention without repeating K/V: the G query heads of one KV head share its matmul.
+        # Rows are token-major (token t owns rows t*G .. t*G+G-1) so a block can be split by tokens.
         G = H // Hkv
-        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).view(B, Hkv, G, T, key_len)
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+        scores = _row_chunked_matmul(q, keys.transpose(-1, -2), G, T).view(B, Hkv, T, G, key_len)
         if self.softcap:
             scores = torch.tanh(scores.float() * (self.scale / self.softcap)) * self.softcap + mask
         else:
             scores = torch.add(mask, scores, alpha=self.scale)  # fp32: mask + scale * scores in one op
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(B, Hkv, G * T, key_len)
-        out = torch.matmul(probs, values).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(B, Hkv, T * G, key_len)
+        out = _row_chunked_matmul(probs, values, G, T).view(B, Hkv, T, G, D)
+        out = out.permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
         return self.wo(out)
+
+
+def _row_chunked_matmul(a: torch.Tensor, b: torch.Tensor, group: int, tokens: int) -> torch.Tensor:
+    """a @ b, with a's rows (token-major, `group` per token) fed at most SMALL_BATCH_ROWS at a time for small
+    blocks: bf16 matmuls keep each row's bits only up to that many rows, and a verified token must get the
+    bits it would get when decoded alone. Prefill-sized blocks (never compared bit for bit) run in one call."""
+    per_call = max(1, SMALL_BATCH_ROWS // group)
+    if tokens <= per_call or tokens > SMALL_BATCH_ROWS:
+        return torch.matmul(a, b)
+    rows = per_call * group
+    return torch.cat([torch.matmul(a[..., i:i + rows, :], b) for i in range(0, a.shape[-2], rows)], dim=-2)
 
 
 def _rows(cache: torch.Tensor, slots: Sequence[int], key_len: int) -> torch.Tensor:
@@ -283,7 +299,7 @@ class Transformer(nn.Module):
 
     def _masks(self, starts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None,
                key_len: int) -> dict[str, torch.Tensor]:
-        """Additive fp32 masks [B, 1, 1, T, key_len] per layer kind.
+        """Additive fp32 masks [B, 1, T, 1, key_len] per layer kind.
 
         A new token sees every committed key (within the sliding window, by position) and the new keys that
         `tree_mask` allows; stale keys past the new block and the padding up to key_len are hidden.
@@ -313,5 +329,6 @@ class Transformer(nn.Module):
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
+    """[B, T, L] bool -> additive fp32 [B, 1, T, 1, L], broadcasting over KV heads and the query group."""
     mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-    return mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+    return mask.masked_fill_(~visible, float("-inf"))[:, None, :, None]
