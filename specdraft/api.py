@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specdraft.config import SpecConfig, is_config_ref
 from specdraft.drafters import make_drafter
 from specdraft.engine.adaptive import AdaptiveConfig
@@ -145,8 +143,3 @@ class LLM:
         if len(params) != n:
             raise SpecdraftError(f"{len(params)} sampling params for {n} prompts")
         return params
-
-
-def set_threads(num_threads: int | None) -> None:
-    if num_threads:
-        torch.set_num_threads(num_threads)

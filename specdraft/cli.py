@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="speculative vs plain decoding on one prompt")
     demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--draft", default="quant:int8")
+    demo.add_argument("--draft", default="ngram")
     demo.add_argument("-k", type=int, default=5)
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")

@@ -176,8 +176,10 @@ def bf16_block_vs_incremental(model, ids: list[int], prefix: int) -> tuple[torch
     return block, incremental(model, cache, ids[prefix:])
 
 
-BF16_CASES = [(5, 7), (60, 8), (5, 65)]
-BF16_CASE_IDS = ["7-tokens", "8-tokens-across-key-block", "65-tokens"]
+# Blocks of up to SMALL_BATCH_ROWS (32) tokens: what verification and token trees use. Longer blocks are
+# prefill, which runs the fused attention kernel and is never compared bit for bit with decoding.
+BF16_CASES = [(5, 7), (60, 8), (40, 32)]
+BF16_CASE_IDS = ["7-tokens", "8-tokens-across-key-block", "32-tokens-across-key-block"]
 ONEDNN_NOTE = (
     "torch's CPU bf16 matmul runs its native kernel when rows*K*N <= 16**3 and oneDNN above: on these tiny "
     "shapes a 1-token decode and a multi-token block take different kernels and now and then differ in the "
@@ -190,7 +192,7 @@ ONEDNN_NOTE = (
 @pytest.mark.parametrize(("prefix", "length"), BF16_CASES, ids=BF16_CASE_IDS)
 def test_block_equals_incremental_bf16_bit_identical(family, prefix, length):
     """The engine's losslessness in bf16 rests on this: a token's logits do not depend on how many tokens
-    share its forward pass, nor on a block crossing a KEY_BLOCK boundary of the padded attention.
+    (up to 32) share its forward pass, nor on a block crossing a KEY_BLOCK boundary of the padded attention.
 
     oneDNN is disabled so every matmul is torch's native kernel, which computes each row the same way
     whatever the row count: what is checked is the runtime (padding, masks, softmax, cache), not the BLAS.

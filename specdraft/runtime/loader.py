@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,10 +248,3 @@ def _taker(state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
         return state[name]
 
     return take
-
-
-def timed_load(ref: str, **kwargs) -> tuple[Transformer, Tokenizer, float]:
-    t0 = time.perf_counter()
-    model = load_model(ref, **kwargs)
-    tok = load_tokenizer(ref)
-    return model, tok, time.perf_counter() - t0

@@ -131,6 +131,12 @@ class Attention(nn.Module):
         keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
 
         # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
+        if T > SMALL_BATCH_ROWS and not self.softcap:
+            # Prefill-sized blocks are never compared bit for bit with decoding: use the fused kernel.
+            visible = mask[:, :, :, 0] == 0
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible,
+                                                 scale=self.scale, enable_gqa=True)
+            return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
         # Grouped-query attention without repeating K/V: the G query heads of one KV head share its matmul.
         # Rows are token-major (token t owns rows t*G .. t*G+G-1) so a block can be split by tokens.
         G = H // Hkv
