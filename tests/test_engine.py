@@ -302,3 +302,15 @@ def test_exact_joint_is_a_distribution(small_pair):
         assert abs(joint.sum().item() - 1) < 1e-5
     # top-k 4 leaves 4 first tokens, each followed by 4 second tokens.
     assert (exact_joint(target, SETTINGS["top_k 4"]) > 0).sum().item() == 16
+
+
+def test_low_confidence_stops_drafting_early(target, draft):
+    params = SamplingParams(temperature=0, max_tokens=30)
+    ids = [2, 4, 6]
+    cautious = engine(target, ModelDrafter(draft, max_len=256, min_confidence=0.9), k=4)
+    eager = engine(target, ModelDrafter(draft, max_len=256), k=4)
+    expected = engine(target).generate(ids, params).token_ids
+    assert cautious.generate(ids, params).token_ids == expected == eager.generate(ids, params).token_ids
+    # Fewer tokens drafted per round: the draft stops at its first low-confidence token (after the first).
+    per_round = lambda e: e.totals.drafted / e.totals.speculative_rounds  # noqa: E731
+    assert per_round(cautious) < per_round(eager)
