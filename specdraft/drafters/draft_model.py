@@ -87,10 +87,9 @@ class ModelDrafter:
                 break
             tokens.append(token)
             feed = [token]
-            if i == max_k - 1:
-                break
         self._num_proposed = len(tokens)
-        # The last token was never fed: drop nothing, the cache holds context + tokens[:-1].
+        # The cache now holds context + tokens[:-1] (+ the last token too after an early stop; `accepted`
+        # rolls back to what is known to be kept, so at worst one token is fed again).
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def accepted(self, num_accepted: int, context: Sequence[int]) -> None:

@@ -107,7 +107,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.is_gemma) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_logit_softcapping
-        self.sliding = cfg.layer_types[layer_idx] == "sliding"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor],
