@@ -13,9 +13,19 @@ import sys
 import pytest
 import torch
 
-from specdraft.bench import report, stats
+from specdraft.bench import llamacpp_worker, report, stats
 from specdraft.bench.machine import header, header_lines
-from specdraft.bench.peers import PeerUnavailable, gguf_path, load_peers, parse_peers
+from specdraft.bench.peers import (
+    LlamaCppMethod,
+    LlamaCppWorker,
+    PeerFailed,
+    PeerUnavailable,
+    describe_exit,
+    gguf_path,
+    load_llamacpp,
+    load_peers,
+    parse_peers,
+)
 from specdraft.bench.runtime_bench import (
     aggregate_runtime,
     build_runtime_results,
@@ -24,7 +34,7 @@ from specdraft.bench.runtime_bench import (
     summarize_runs,
     weight_bytes_per_token,
 )
-from specdraft.bench.specbench import PromptBuilder, build_results, parse_methods, run_suite
+from specdraft.bench.specbench import PromptBuilder, build_results, parse_methods, run_suite, warm_up
 from specdraft.bench.suite import (
     DEFAULT_SUITE,
     GROUPS,
@@ -188,6 +198,8 @@ def test_bundled_mini_suite_covers_the_six_groups():
 
 
 class FakeTokenizer:
+    eos_token_ids = frozenset({0})
+
     def __init__(self, chat: bool) -> None:
         self.has_chat_template = chat
 
@@ -423,6 +435,215 @@ def test_missing_peers_are_skipped_with_a_message(monkeypatch, tmp_path):
 def test_llamacpp_needs_a_gguf(tmp_path):
     with pytest.raises(PeerUnavailable, match="not a GGUF"):
         gguf_path(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------- llama.cpp worker process
+
+FAKE_WORKER = """
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("llamacpp_worker", sys.argv[2])
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+mode = sys.argv[1]
+
+class Backend:
+    def __init__(self, config):
+        if mode == "exit-on-load":
+            os._exit(3)
+        if mode == "segv-unless-no-extra" and config.get("extra_bufts") is not False:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        self.models = {"llamacpp": None, "llamacpp-pld": None}
+        self.info = {"extra_bufts": config.get("extra_bufts"), "n_threads": config["n_threads"]}
+        self.runs = 0
+
+    def run(self, method, prompt_ids, params, eos):
+        self.runs += 1
+        if mode.startswith("segv-on-run=") and self.runs == int(mode.split("=")[1]):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if mode == "hang":
+            time.sleep(60)
+        if mode == "error-on-run":
+            raise ValueError("Requested tokens exceed context window")
+        print("python noise on stdout")
+        os.write(1, b"native noise on fd 1\\n")
+        tokens = [ord(c) for c in method][: params["max_tokens"]]
+        return {"token_ids": tokens, "time_s": 0.25, "ttft_s": 0.05, "finish_reason": "length"}
+
+sys.exit(worker.main(Backend))
+"""
+
+WORKER_CONFIG = {"model_path": "x.gguf", "n_ctx": 64, "n_threads": 1, "pld_tokens": 10, "extra_bufts": None}
+
+
+@pytest.fixture
+def fake_worker(tmp_path):
+    """fake_worker(mode) -> the command line of a worker that speaks the real protocol (the real `serve`,
+    stdout redirection and faulthandler) around a fake backend that misbehaves as `mode` says."""
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    return lambda mode: [sys.executable, str(script), mode, llamacpp_worker.__file__]
+
+
+def _llamacpp_methods(worker):
+    tok = FakeTokenizer(True)
+    return [LlamaCppMethod("llamacpp", worker, tok, "llamacpp"), LlamaCppMethod("llamacpp-pld", worker, tok,
+                                                                               "llamacpp")]
+
+
+def test_describe_exit():
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-11) == "was killed by signal 11 (SIGSEGV)"
+    assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+
+
+def test_worker_round_trip_times_come_from_the_worker(fake_worker):
+    worker = LlamaCppWorker(WORKER_CONFIG, fake_worker("ok"))
+    try:
+        assert worker.methods == ["llamacpp", "llamacpp-pld"] and worker.info["n_threads"] == 1
+        plain, pld = _llamacpp_methods(worker)
+        run = pld.run([1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+        # noise printed on the worker's stdout (Python or native) does not reach the protocol
+        assert run["token_ids"] == [ord(c) for c in "llama"] and run["text"] == "llama" and run["tokens"] == 5
+        assert (run["time_s"], run["ttft_s"], run["finish_reason"]) == (0.25, 0.05, "length")
+        assert plain.run([1], SamplingParams(temperature=0, max_tokens=3))["text"] == "lla"
+    finally:
+        worker.close()
+    assert not worker.alive and worker.proc.returncode == 0
+    with pytest.raises(PeerFailed, match="closed"):
+        plain.run([1], SamplingParams(temperature=0, max_tokens=3))
+
+
+def test_crashing_worker_is_a_failed_peer_and_the_bench_goes_on(fake_worker):
+    worker = LlamaCppWorker(WORKER_CONFIG, fake_worker("segv-on-run=5"))
+    calls: list = []
+    methods = [FakeMethod("plain", calls, "ab"), FakeMethod("ngram", calls, "ab"), *_llamacpp_methods(worker)]
+    qs = [_q(1, "writing", 2), _q(2, "qa"), _q(3, "rag")]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    build = PromptBuilder(FakeTokenizer(True))
+    failed: list[dict] = []
+    warm_up(methods, qs, build, params, failed)  # runs 1 and 2
+    assert failed == []
+    runs = run_suite(methods, qs, build, params, repeats=2, progress=False, failed=failed)  # dies in run 5
+    assert len(failed) == 1
+    f = failed[0]
+    assert (f["peer"], f["methods"], f["stage"]) == ("llamacpp", ["llamacpp", "llamacpp-pld"], "run")
+    assert "killed by signal 11 (SIGSEGV) while generating (llamacpp-pld)" in f["reason"]
+    assert worker.proc.returncode == -11 and not worker.alive
+    # the other methods ran everything; no partial peer figures are kept
+    assert set(runs) == {(0, 0), (0, 1), (1, 0), (2, 0)}
+    for by_method in runs.values():
+        assert set(by_method) == {"plain", "ngram"} and all(len(v) == 2 for v in by_method.values())
+    assert [c[0] for c in calls].count("plain") == 1 + 2 * 4
+    info = [{"name": m.name, "kind": m.kind, "baseline": m.baseline} for m in methods]
+    results = build_results(header([]), {}, qs, info, runs, True, failed_peers=failed)
+    assert [m["name"] for m in results["methods"]] == ["plain", "ngram"]
+    assert set(results["summary"][OVERALL]) == {"plain", "ngram"}
+    assert results["failed_peers"] == failed and results["peer_notes"] == []
+    json.dumps(results)
+    for text in (report.render_markdown(results), report.console_summary(results)):
+        assert "peer llamacpp failed during run (no figures for llamacpp, llamacpp-pld)" in text
+        assert "SIGSEGV" in text
+
+
+def test_worker_dying_in_warm_up_is_never_run_again(fake_worker):
+    worker = LlamaCppWorker(WORKER_CONFIG, fake_worker("segv-on-run=1"))
+    calls: list = []
+    methods = [FakeMethod("plain", calls, "ab"), *_llamacpp_methods(worker)]
+    qs = [_q(1, "qa")]
+    build = PromptBuilder(FakeTokenizer(True))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    failed: list[dict] = []
+    warm_up(methods, qs, build, params, failed)
+    assert [(f["peer"], f["stage"]) for f in failed] == [("llamacpp", "warm-up")]
+    runs = run_suite(methods, qs, build, params, repeats=1, progress=False, failed=failed)
+    assert set(runs[(0, 0)]) == {"plain"} and len(failed) == 1
+    # without a list to collect failures the error is not swallowed
+    with pytest.raises(PeerFailed, match="SIGSEGV"):
+        run_suite(methods, qs, build, params, repeats=1, progress=False)
+
+
+def test_worker_exit_code_error_and_hang_are_reported(fake_worker):
+    with pytest.raises(PeerFailed, match="exited with code 3 while loading the model") as info:
+        LlamaCppWorker(WORKER_CONFIG, fake_worker("exit-on-load"))
+    assert info.value.signal is None
+    worker = LlamaCppWorker(WORKER_CONFIG, fake_worker("error-on-run"))
+    with pytest.raises(PeerFailed, match="ValueError: Requested tokens exceed context window"):
+        _llamacpp_methods(worker)[0].run([1], SamplingParams(temperature=0, max_tokens=3))
+    assert worker.proc.poll() is not None  # stopped: the peer is given up
+    worker = LlamaCppWorker(WORKER_CONFIG, fake_worker("hang"), run_timeout=1.0)
+    with pytest.raises(PeerFailed, match="no answer within 1 s"):
+        _llamacpp_methods(worker)[0].run([1], SamplingParams(temperature=0, max_tokens=3))
+    assert worker.proc.returncode == -9
+
+
+def test_load_llamacpp_retries_without_extra_buffer_types(fake_worker, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    notes: list[dict] = []
+    logged: list[str] = []
+    methods = load_llamacpp(str(gguf), FakeTokenizer(True), 64, command=fake_worker("segv-unless-no-extra"),
+                            log=logged.append, notes=notes)
+    try:
+        assert [m.name for m in methods] == ["llamacpp", "llamacpp-pld"]
+        assert methods[0].worker is methods[1].worker
+        assert methods[0].worker.info["extra_bufts"] is False
+        assert methods[1].run([5], SamplingParams(temperature=0, max_tokens=2))["tokens"] == 2
+    finally:
+        methods[0].close()
+    assert len(notes) == 1 and notes[0]["peer"] == "llamacpp"
+    assert "SIGSEGV" in notes[0]["note"] and "use_extra_bufts=False" in notes[0]["note"]
+    assert "starting it again with use_extra_bufts=False" in logged[0]
+    # a worker that cannot load at all is a skipped peer, with the reason
+    with pytest.raises(PeerUnavailable, match="exited with code 3"):
+        load_llamacpp(str(gguf), FakeTokenizer(True), 64, command=fake_worker("exit-on-load"))
+
+
+def test_worker_protocol_errors_are_replies():
+    import io
+
+    class Broken:
+        def __init__(self, config):
+            raise ImportError("No module named 'llama_cpp'")
+
+    out = io.StringIO()
+    lines = ['{"cmd": "run", "method": "llamacpp", "prompt_ids": [1], "params": {}}', "",
+             '{"cmd": "nope"}', '{"cmd": "load", "config": {}}', '{"cmd": "exit"}', '{"cmd": "nope"}']
+    assert llamacpp_worker.serve(Broken, io.StringIO("\n".join(lines) + "\n"), out) == 0
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["ok"] for r in replies] == [False, False, False]  # nothing after exit
+    assert "run before load" in replies[0]["error"] and "unknown command" in replies[1]["error"]
+    assert replies[2]["kind"] == "import"
+
+
+def _llamacpp_ready() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None and gguf_path("smollm2-135m").exists()
+    except Exception:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _llamacpp_ready(), reason="llama-cpp-python or the smollm2-135m GGUF is not installed")
+def test_llamacpp_peer_real_tiny_run():
+    from specdraft.runtime.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    notes: list[dict] = []
+    methods, skipped = load_peers(["llamacpp"], "smollm2-135m", tokenizer, 256, log=lambda m: None,
+                                  notes=notes)
+    assert skipped == []
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+        for m in methods:
+            run = m.run(ids, SamplingParams(temperature=0, max_tokens=6))
+            assert 1 <= run["tokens"] <= 6 and run["tokens"] == len(run["token_ids"])
+            assert run["time_s"] > 0 and 0 < run["ttft_s"] <= run["time_s"]
+            assert run["text"].strip() and run["finish_reason"] in ("stop", "length")
+        assert methods[0].worker.alive
+    finally:
+        methods[0].close()
 
 
 # --------------------------------------------------------------------------------------------- machine

@@ -4,7 +4,9 @@
   prompt-lookup decoding (`prompt_lookup_num_tokens=10`): methods `hf-bf16`, `hf-bf16-pld`, `hf-fp32`,
   `hf-fp32-pld`. `hf-bf16` / `hf-fp32` alone select one dtype.
 - `llamacpp`: llama-cpp-python on the GGUF file itself (its own quantized weights), plain and with its
-  prompt-lookup draft (`LlamaPromptLookupDecoding`): methods `llamacpp`, `llamacpp-pld`.
+  prompt-lookup draft (`LlamaPromptLookupDecoding`): methods `llamacpp`, `llamacpp-pld`. It runs in a worker
+  process (`llamacpp_worker.py`, JSON lines over pipes), so that a crash in llama.cpp's native code only
+  costs the benchmark that peer (`PeerFailed`, reported with the exit code or signal).
 
 A peer that cannot run (library not installed, no GGUF for the model) is skipped with a printed reason; the
 benchmark goes on without it.
@@ -12,10 +14,18 @@ benchmark goes on without it.
 
 from __future__ import annotations
 
+import collections
+import importlib.util
+import json
+import queue
+import signal as signal_module
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -86,42 +96,182 @@ class HFMethod:
         }
 
 
+class PeerFailed(Exception):
+    """A peer that broke while the benchmark ran (its worker process died, hung or reported an error): the
+    benchmark drops it and goes on with the other methods."""
+
+    def __init__(self, peer: str, reason: str, signal: int | None = None, unavailable: bool = False) -> None:
+        super().__init__(reason)
+        self.peer = peer
+        self.reason = reason
+        self.signal = signal  # the signal that killed the worker, if one did
+        self.unavailable = unavailable  # the library is missing: a reason to skip, not a crash
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exited with code 3' / 'was killed by signal 11 (SIGSEGV)'."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal_module.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
+def worker_command() -> list[str]:
+    """How to start the llama.cpp worker: this Python on the worker file (not `-m`, which would import
+    specdraft and torch into it)."""
+    return [sys.executable, "-u", str(Path(__file__).with_name("llamacpp_worker.py"))]
+
+
+class LlamaCppWorker:
+    """The parent's handle on a `llamacpp_worker` process: JSON-lines requests with a timeout. Any failure
+    (the process dies, hangs, or answers an error) raises `PeerFailed`, stops the process, and makes every
+    later request raise the same error."""
+
+    STDERR_LINES = 40
+
+    def __init__(self, config: dict, command: Sequence[str] | None = None, peer: str = "llamacpp",
+                 load_timeout: float = 600.0, run_timeout: float = 1800.0) -> None:
+        self.peer = peer
+        self.run_timeout = run_timeout
+        self.failure: PeerFailed | None = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=self.STDERR_LINES)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.proc = subprocess.Popen(list(command or worker_command()), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     encoding="utf-8", bufsize=1)
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines.put), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self._keep_stderr), daemon=True)]
+        for t in self._threads:
+            t.start()
+        reply = self.request({"cmd": "load", "config": config}, load_timeout, "loading the model")
+        self.methods: list[str] = reply.get("methods", [])
+        self.info: dict = reply.get("info", {})
+
+    @staticmethod
+    def _pump(stream, put) -> None:
+        for line in stream:
+            put(line)
+        stream.close()
+        put(None)
+
+    def _keep_stderr(self, line: str | None) -> None:
+        if line is not None and line.strip():
+            self.stderr_tail.append(line.rstrip("\n"))
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self.proc.poll() is None
+
+    def request(self, msg: dict, timeout: float | None = None, doing: str = "generating") -> dict:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._fail_dead(doing)
+        try:
+            line = self._lines.get(timeout=self.run_timeout if timeout is None else timeout)
+        except queue.Empty:
+            self._stop()
+            self._fail(f"llama.cpp worker (pid {self.proc.pid}) gave no answer within "
+                       f"{self.run_timeout if timeout is None else timeout:.0f} s while {doing}; stopped it")
+        if line is None:
+            self._fail_dead(doing)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            self._stop()
+            self._fail(f"llama.cpp worker sent a line that is not JSON while {doing}: {line[:200]!r}")
+        if not reply.get("ok"):
+            self._stop()
+            if reply.get("kind") == "import":
+                self._fail(f"llama-cpp-python is not importable in the worker (pip install llama-cpp-python): "
+                           f"{reply.get('error')}", unavailable=True)
+            self._fail(f"llama.cpp worker failed while {doing}: {reply.get('error')}")
+        return reply
+
+    def _fail_dead(self, doing: str) -> NoReturn:
+        try:
+            rc = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._stop()
+            rc = self.proc.returncode
+        self._fail(f"llama.cpp worker (pid {self.proc.pid}) {describe_exit(rc)} while {doing}",
+                   signal=-rc if rc is not None and rc < 0 else None)
+
+    def _fail(self, reason: str, signal: int | None = None, unavailable: bool = False) -> NoReturn:
+        self._threads[1].join(timeout=2)  # the rest of its stderr
+        if self.stderr_tail and not unavailable:
+            _stderr(f"{self.peer} worker's last stderr lines:\n" +
+                    "\n".join(f"    {line}" for line in list(self.stderr_tail)[-12:]))
+        self._close_stdin()
+        self.failure = PeerFailed(self.peer, reason, signal, unavailable)
+        raise self.failure
+
+    def _close_stdin(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        """Ask the worker to exit (kill it if it does not within 10 s)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._stop()
+        self._close_stdin()
+        if self.failure is None:
+            self.failure = PeerFailed(self.peer, "llama.cpp worker was closed")
+
+
 class LlamaCppMethod:
+    """One llama.cpp method, run by the peer's worker process. `run` returns what the runner expects; the
+    times come from the worker (generation only, IPC excluded). Raises `PeerFailed` when the worker
+    breaks."""
+
     kind = "peer"
 
-    def __init__(self, name: str, llm, tokenizer: Tokenizer, baseline: str) -> None:
+    def __init__(self, name: str, worker: LlamaCppWorker, tokenizer: Tokenizer, baseline: str) -> None:
         self.name = name
-        self.llm = llm
+        self.peer = worker.peer
+        self.worker = worker
         self.tokenizer = tokenizer
         self.baseline = baseline
-        self.eos = set(tokenizer.eos_token_ids)
+        self.eos = sorted(tokenizer.eos_token_ids)
 
     def run(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict:
-        llm = self.llm
-        llm.reset()  # no prefix reuse across requests: every method starts from an empty cache
-        if params.seed is not None and hasattr(llm, "set_seed"):
-            llm.set_seed(params.seed)
-        tokens: list[int] = []
-        ttft = None
-        t0 = time.perf_counter()
-        gen = llm.generate(list(prompt_ids), temp=params.temperature, top_k=max(params.top_k, 0),
-                           top_p=params.top_p, min_p=params.min_p, repeat_penalty=1.0, reset=True)
-        finish = "length"
-        try:
-            for token in gen:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                tokens.append(int(token))
-                if int(token) in self.eos and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                if len(tokens) >= params.max_tokens:
-                    break
-        finally:
-            gen.close()
-        wall = time.perf_counter() - t0
+        reply = self.worker.request({
+            "cmd": "run", "method": self.name, "prompt_ids": [int(t) for t in prompt_ids], "eos": self.eos,
+            "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                       "min_p": params.min_p, "seed": params.seed, "max_tokens": params.max_tokens,
+                       "ignore_eos": params.ignore_eos}}, doing=f"generating ({self.name})")
+        tokens = [int(t) for t in reply["token_ids"]]
         return {"token_ids": tokens, "text": self.tokenizer.decode(tokens), "tokens": len(tokens),
-                "time_s": wall, "ttft_s": ttft, "finish_reason": finish}
+                "time_s": float(reply["time_s"]), "ttft_s": reply.get("ttft_s"),
+                "finish_reason": reply.get("finish_reason", "length")}
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def parse_peers(spec: str | None) -> list[str]:
@@ -179,24 +329,41 @@ def gguf_path(model_ref: str) -> Path:
                           "file)")
 
 
-def load_llamacpp(model_ref: str, tokenizer: Tokenizer, max_len: int) -> list[LlamaCppMethod]:
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError as exc:
-        raise PeerUnavailable(f"llama-cpp-python is not installed (pip install llama-cpp-python): {exc}") \
-            from exc
+EXTRA_BUFTS_NOTE = (
+    "llama.cpp {crash} in its first batched forward with its default CPU extra buffer types (weight "
+    "repacking, AMX kernels: a llama.cpp bug on CPUs with AMX); measured with use_extra_bufts=False, i.e. "
+    "its generic CPU kernels")
+
+
+def load_llamacpp(model_ref: str, tokenizer: Tokenizer, max_len: int, command: Sequence[str] | None = None,
+                  log: Callable[[str], None] = _stderr, notes: list[dict] | None = None) -> list[LlamaCppMethod]:
+    """Start the llama.cpp worker on the model's GGUF file. Loading includes a probe forward; if the worker
+    dies there with llama.cpp's defaults, it is started once more without its extra buffer types (the AMX
+    crash, see `llamacpp_worker`) and a note saying so is appended to `notes`."""
+    if command is None and importlib.util.find_spec("llama_cpp") is None:
+        raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)")
     path = gguf_path(model_ref)
-    threads = torch.get_num_threads()
-    common = dict(model_path=str(path), n_ctx=max_len, n_threads=threads, n_threads_batch=threads,
-                  verbose=False, seed=0)
+    config = dict(model_path=str(path), n_ctx=max_len, n_threads=torch.get_num_threads(),
+                  pld_tokens=PLD_TOKENS, extra_bufts=None)
     try:
-        plain = Llama(**common)
-        pld = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS))
-    except Exception as exc:  # llama.cpp reports a bad or unsupported file as ValueError / RuntimeError
-        raise PeerUnavailable(f"llama.cpp could not load {path}: {type(exc).__name__}: {exc}") from exc
-    return [LlamaCppMethod("llamacpp", plain, tokenizer, "llamacpp"),
-            LlamaCppMethod("llamacpp-pld", pld, tokenizer, "llamacpp")]
+        worker = LlamaCppWorker(config, command)
+    except PeerFailed as exc:
+        if exc.unavailable:
+            raise PeerUnavailable(exc.reason) from exc
+        if exc.signal is None:
+            raise PeerUnavailable(f"llama.cpp could not load {path}: {exc.reason}") from exc
+        log(f"peer llamacpp: {exc.reason}; starting it again with use_extra_bufts=False")
+        try:
+            worker = LlamaCppWorker(dict(config, extra_bufts=False), command)
+        except PeerFailed as exc2:
+            raise PeerUnavailable(f"{exc.reason}, and again with use_extra_bufts=False: {exc2.reason}") \
+                from exc2
+        note = EXTRA_BUFTS_NOTE.format(crash=describe_exit(-exc.signal))
+        log(f"peer llamacpp: {note}")
+        if notes is not None:
+            notes.append({"peer": "llamacpp", "note": note})
+    return [LlamaCppMethod("llamacpp", worker, tokenizer, "llamacpp"),
+            LlamaCppMethod("llamacpp-pld", worker, tokenizer, "llamacpp")]
 
 
 class PeerUnavailable(Exception):
@@ -204,8 +371,9 @@ class PeerUnavailable(Exception):
 
 
 def load_peers(names: Sequence[str], model_ref: str, tokenizer: Tokenizer, max_len: int,
-               log: Callable[[str], None] = _stderr) -> tuple[list, list[dict]]:
-    """Build the peers' methods. Returns (methods, skipped) where skipped is [{"peer", "reason"}]."""
+               log: Callable[[str], None] = _stderr, notes: list[dict] | None = None) -> tuple[list, list[dict]]:
+    """Build the peers' methods. Returns (methods, skipped) where skipped is [{"peer", "reason"}]; notes on
+    how a peer runs ([{"peer", "note"}]) are appended to `notes`."""
     methods: list = []
     skipped: list[dict] = []
     for name in names:
@@ -213,7 +381,7 @@ def load_peers(names: Sequence[str], model_ref: str, tokenizer: Tokenizer, max_l
             if name.startswith("hf-"):
                 methods += load_hf(model_ref, name.removeprefix("hf-"), tokenizer)
             elif name == "llamacpp":
-                methods += load_llamacpp(model_ref, tokenizer, max_len)
+                methods += load_llamacpp(model_ref, tokenizer, max_len, log=log, notes=notes)
             else:
                 raise PeerUnavailable(f"unknown peer {name!r}")
         except PeerUnavailable as exc:

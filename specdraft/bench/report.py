@@ -56,6 +56,15 @@ def _cross_table(results: dict, key: str, fmt) -> list[str]:
     return _table(["method", *cols], rows)
 
 
+def peer_lines(results: dict, prefix: str = "") -> list[str]:
+    """Peers that were skipped, that failed while running, and notes on how peers ran."""
+    lines = [f"{prefix}peer {s['peer']} skipped: {s['reason']}" for s in results.get("skipped_peers", [])]
+    lines += [f"{prefix}peer {f['peer']} failed during {f['stage']} (no figures for {', '.join(f['methods'])}): "
+              f"{f['reason']}" for f in results.get("failed_peers", [])]
+    lines += [f"{prefix}peer {n['peer']}: {n['note']}" for n in results.get("peer_notes", [])]
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     h, cfg = results["header"], results["config"]
     greedy = results["greedy"]
@@ -66,8 +75,7 @@ def render_markdown(results: dict) -> str:
     lines.append(f"- decoding: temperature {cfg.get('temperature')}, max {cfg.get('max_tokens')} new tokens, "
                  f"K={cfg.get('k')} ({'adaptive' if cfg.get('adaptive') else 'fixed'}), "
                  f"{cfg.get('repeats')} repeat(s) (medians), chat template: {cfg.get('chat_template')}")
-    for s in results.get("skipped_peers", []):
-        lines.append(f"- peer {s['peer']} skipped: {s['reason']}")
+    lines += peer_lines(results, "- ")
     lines.append("")
     lines.append("Throughput is generated tokens / wall time with prefill included; speedup is over `plain` "
                  "(our runtime, no drafter) in the same run. Accepted tokens per target forward count the "
@@ -174,6 +182,9 @@ def console_summary(results: dict) -> str:
                      _identical(a, greedy)])
     lines += _table(["method", "tok/s", "speedup", "acc. tokens/forward", "acc. rate", "TTFT ms",
                      "identical"], rows)
+    peers = peer_lines(results)
+    if peers:
+        lines += ["", *peers]
     return "\n".join(lines)
 
 

@@ -1,9 +1,11 @@
 """`specdraft bench`: Spec-Bench style comparison of decoding methods on one target model.
 
-Every method runs on the same prompts in the same process, after a warm-up, interleaved per prompt (for
-each prompt, for each repeat, every method in turn) so that machine noise hits all methods alike. Multi-turn
-prompts run both turns; the second turn's prompt is the conversation so far, with the method's own first
-answer.
+Every method runs on the same prompts, after a warm-up, interleaved per prompt (for each prompt, for each
+repeat, every method in turn) so that machine noise hits all methods alike. Multi-turn prompts run both turns;
+the second turn's prompt is the conversation so far, with the method's own first answer. Our methods and the
+transformers peer run in this process; the llama.cpp peer runs in a worker process of its own, and if it
+breaks (`PeerFailed`: the worker crashed, hung or reported an error) the peer is dropped, with all its runs so
+that every method's figures cover the same prompts, and listed under `failed_peers`.
 
 results.json schema (`schema_version` 1; times in seconds; rates in [0, 1]; null = not applicable):
 
@@ -23,7 +25,11 @@ results.json schema (`schema_version` 1; times in seconds; rates in [0, 1]; null
       "greedy": bool,                      # temperature == 0: identity with plain is checked
       "methods": [{"name": str, "kind": "ours"|"peer", "baseline": str}],   # baseline: the method's own
                                            # plain decoding ("plain" for ours, "hf-bf16" for "hf-bf16-pld"...)
-      "skipped_peers": [{"peer": str, "reason": str}],
+      "skipped_peers": [{"peer": str, "reason": str}],   # could not be loaded
+      "failed_peers": [{"peer": str, "methods": [str], "stage": "warm-up"|"run", "reason": str}],
+                                           # broke while running (e.g. the llama.cpp worker was killed by
+                                           # SIGSEGV): no figures for its methods
+      "peer_notes": [{"peer": str, "note": str}],   # how a peer was run, when it departs from its defaults
       "groups": [str],                     # category groups present, in Spec-Bench order
       "summary": {                         # one entry per group and "overall"
         GROUP: {METHOD: {
@@ -177,20 +183,56 @@ def params_for(base: SamplingParams, seed: int | None) -> SamplingParams:
                           seed=seed, max_tokens=base.max_tokens, stop=base.stop, ignore_eos=base.ignore_eos)
 
 
+def peer_of(method) -> str:
+    """The peer a method belongs to (methods that share a worker fail together); its own name otherwise."""
+    return getattr(method, "peer", None) or method.name
+
+
+def _peer_failed(exc, method, methods: Sequence, stage: str, failed: list[dict] | None) -> None:
+    """Record that `method`'s peer broke (`exc`: a `PeerFailed`); re-raise when nobody collects failures."""
+    if failed is None:
+        raise exc
+    peer = peer_of(method)
+    if any(f["peer"] == peer for f in failed):
+        return
+    names = [m.name for m in methods if peer_of(m) == peer]
+    failed.append({"peer": peer, "methods": names, "stage": stage, "reason": str(exc)})
+    print(f"peer {peer} failed during {stage}: {exc}; going on without {', '.join(names)}", file=sys.stderr,
+          flush=True)
+
+
+def failed_names(failed: Sequence[dict]) -> set[str]:
+    return {name for f in failed for name in f["methods"]}
+
+
 def warm_up(methods: Sequence, questions: Sequence[Question], build: PromptBuilder,
-            params: SamplingParams) -> None:
-    """One short generation per method (first use pays for allocations, kernel selection, lazy imports)."""
+            params: SamplingParams, failed: list[dict] | None = None) -> None:
+    """One short generation per method (first use pays for allocations, kernel selection, lazy imports).
+
+    A peer that breaks (`PeerFailed`) is appended to `failed` (re-raised when `failed` is None)."""
+    from specdraft.bench.peers import PeerFailed
+
     ids = build(questions[0].turns[:1], [])
     short = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                            min_p=params.min_p, seed=0, max_tokens=min(WARMUP_TOKENS, params.max_tokens))
     for m in methods:
-        m.run(ids, short)
+        if failed and m.name in failed_names(failed):
+            continue
+        try:
+            m.run(ids, short)
+        except PeerFailed as exc:
+            _peer_failed(exc, m, methods, "warm-up", failed)
 
 
 def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable, params: SamplingParams,
-              repeats: int, seed: int = 0, progress: bool = True) -> Runs:
-    """Run every method on every turn of every question, `repeats` times, interleaved per question."""
+              repeats: int, seed: int = 0, progress: bool = True, failed: list[dict] | None = None) -> Runs:
+    """Run every method on every turn of every question, `repeats` times, interleaved per question.
+
+    Methods of peers already in `failed` are not run. A peer that breaks (`PeerFailed`) is appended to
+    `failed` (re-raised when `failed` is None), is not run again, and its runs are left out of the result."""
     from tqdm import tqdm
+
+    from specdraft.bench.peers import PeerFailed
 
     total = sum(len(q.turns) for q in questions) * repeats * len(methods)
     bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=not progress,
@@ -200,17 +242,29 @@ def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable,
         for qi, q in enumerate(questions):
             for r in range(repeats):
                 for m in methods:
+                    if failed and m.name in failed_names(failed):
+                        bar.update(len(q.turns))
+                        continue
                     bar.set_postfix_str(f"{q.category} #{q.question_id} {m.name}", refresh=False)
                     answers: list[str] = []
                     for ti in range(len(q.turns)):
                         ids = build(q.turns[:ti + 1], answers)
-                        run = m.run(ids, params_for(params, None if params.greedy else seed + r))
+                        try:
+                            run = m.run(ids, params_for(params, None if params.greedy else seed + r))
+                        except PeerFailed as exc:
+                            _peer_failed(exc, m, methods, "run", failed)
+                            bar.update(len(q.turns) - ti)
+                            break
                         run["prompt_ids"] = list(ids)
                         runs.setdefault((qi, ti), {}).setdefault(m.name, []).append(run)
                         answers.append(run["text"].strip())
                         bar.update()
     finally:
         bar.close()
+    dropped = failed_names(failed or [])
+    for by_method in runs.values():
+        for name in dropped:
+            by_method.pop(name, None)
     return runs
 
 
@@ -248,13 +302,17 @@ def _compare(method_runs: list[dict], ref_runs: list[dict]) -> tuple[bool, int |
 def build_results(header: dict, config: dict, questions: Sequence[Question], methods: Sequence[dict],
                   runs: Runs, greedy: bool, skipped_peers: Sequence[dict] = (),
                   gap_fn: Callable[[Sequence[int], Sequence[int]], dict] | None = None,
-                  piece_fn: Callable[[int], str] | None = None) -> dict:
+                  piece_fn: Callable[[int], str] | None = None, failed_peers: Sequence[dict] = (),
+                  peer_notes: Sequence[dict] = ()) -> dict:
     """Turn raw runs into the results.json dict (schema in the module docstring).
 
-    methods: [{"name", "kind", "baseline"}], `plain` first. runs: from `run_suite`.
+    methods: [{"name", "kind", "baseline"}], `plain` first. runs: from `run_suite`. Methods of
+    `failed_peers` are left out.
     gap_fn: computes the target's top-2 logit gap at a divergence (None: leave null).
     piece_fn: token id -> its text, for the divergence listing.
     """
+    dropped = failed_names(failed_peers)
+    methods = [m for m in methods if m["name"] not in dropped]
     names = [m["name"] for m in methods]
     baseline = {m["name"]: m.get("baseline", "plain") for m in methods}
     samples_out: list[dict] = []
@@ -324,6 +382,8 @@ def build_results(header: dict, config: dict, questions: Sequence[Question], met
         "greedy": greedy,
         "methods": [{"name": m["name"], "kind": m["kind"], "baseline": baseline[m["name"]]} for m in methods],
         "skipped_peers": list(skipped_peers),
+        "failed_peers": list(failed_peers),
+        "peer_notes": list(peer_notes),
         "groups": groups,
         "summary": summary,
         "samples": samples_out,
@@ -391,16 +451,23 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(args.model)
     max_len = min(args.max_model_len, target.config.max_position_embeddings)
     methods = build_our_methods(method_names, target, tokenizer, args.k, not args.no_adaptive, max_len)
-    peers, skipped = load_peers(peer_names, args.model, tokenizer, max_len)
+    notes: list[dict] = []
+    peers, skipped = load_peers(peer_names, args.model, tokenizer, max_len, notes=notes)
     methods += peers
     build = PromptBuilder(tokenizer)
     if not build.chat:
         print("note: the tokenizer has no chat template; prompts are the plain turns", file=sys.stderr)
 
     print(f"methods: {', '.join(m.name for m in methods)}; warming up", file=sys.stderr)
-    warm_up(methods, questions, build, params)
-    runs = run_suite(methods, questions, build, params, args.repeats, seed=args.seed,
-                     progress=not args.no_progress)
+    failed: list[dict] = []
+    try:
+        warm_up(methods, questions, build, params, failed)
+        runs = run_suite(methods, questions, build, params, args.repeats, seed=args.seed,
+                         progress=not args.no_progress, failed=failed)
+    finally:
+        for m in peers:
+            if hasattr(m, "close"):
+                m.close()
 
     config = {"suite": str(args.suite) if args.suite else "specbench-mini (bundled)",
               "per_category": args.per_category, "groups": groups, "methods": method_names,
@@ -411,7 +478,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     method_info = [{"name": m.name, "kind": m.kind, "baseline": m.baseline} for m in methods]
     results = build_results(header, config, questions, method_info, runs, params.greedy, skipped,
                             gap_fn=logit_gap_fn(target) if params.greedy else None,
-                            piece_fn=lambda t: tokenizer.decode([t]))
+                            piece_fn=lambda t: tokenizer.decode([t]), failed_peers=failed, peer_notes=notes)
     files = report.write_all(results, out_dir)
     print(report.console_summary(results))
     print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
