@@ -13,13 +13,16 @@ decoding bit for bit in bf16, not just up to near-ties.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 
@@ -74,10 +77,11 @@ SMALL_BATCH_ROWS = 32
 
 
 class Linear(nn.Linear):
-    """nn.Linear with a CPU small-batch path: `mv` for one row, `W @ X^T` for up to SMALL_BATCH_ROWS rows.
+    """nn.Linear with a CPU small-batch path for up to SMALL_BATCH_ROWS rows: the C kernel in bf16 when it is
+    available, else `mv` for one row and `W @ X^T` for more.
 
     Decoding one token and verifying K+1 tokens must produce bit-identical rows, or speculative output drifts
-    away from plain decoding at near-ties; `mv` and the per-column dot products of `W @ X^T` agree exactly.
+    away from plain decoding at near-ties; both paths give each row the same bits whatever the row count.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +89,10 @@ class Linear(nn.Linear):
         if rows > SMALL_BATCH_ROWS or x.device.type != "cpu" or rows == 0:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
+        if (self.weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and cpu_kernels.available()
+                and x.shape[-1] % cpu_kernels.k_multiple() == 0):
+            y = cpu_kernels.linear(flat, self.weight, self.bias, torch.get_num_threads())
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if rows == 1:
             y = torch.mv(self.weight, flat[0])[None]
         else:
@@ -225,6 +233,9 @@ class Transformer(nn.Module):
         local_theta = cfg.rope_local_theta or cfg.rope_theta
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local_theta, None), persistent=False)
         self.requires_grad_(False)
+        self._kernel_shapes_ok: bool | None = None  # decided at the first forward (after any quantization)
+        self._kernel_weights: tuple | None = None
+        self._kernel_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -268,7 +279,6 @@ class Transformer(nn.Module):
             positions = offsets + torch.arange(T, device=tokens.device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
         masks = self._masks(starts, positions, tree_mask, key_len)
-        ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
 
         rows = torch.tensor(slots, device=tokens.device)[:, None]
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
@@ -276,9 +286,15 @@ class Transformer(nn.Module):
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         num_layers = len(self.layers) if exit_layer is None else exit_layer
-        x = self._run_layers(x, ropes, masks, cache.k[:num_layers], cache.v[:num_layers], tuple(slots), index)
-        hidden = self.norm(x[:, logits_from:])
-        logits = self.lm_head(hidden)
+        if self._kernels_apply(T, cache):
+            hidden = self._run_layers_fused(x, positions, masks, cache, rows[:, 0], index[1], num_layers,
+                                            logits_from)
+            logits = self.lm_head(hidden)
+        else:
+            ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
+            x = self._run_layers(x, ropes, masks, cache.k[:num_layers], cache.v[:num_layers], tuple(slots), index)
+            hidden = self.norm(x[:, logits_from:])
+            logits = self.lm_head(hidden)
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -292,6 +308,86 @@ class Transformer(nn.Module):
             kind = self.config.layer_types[layer.attn.layer_idx]
             x = layer(x, ropes[kind], k_cache, v_cache, slots, index, masks[kind])
         return x
+
+    def _kernels_apply(self, tokens: int, cache: KVCache) -> bool:
+        """The fused C kernels serve bf16 on CPU for blocks up to SMALL_BATCH_ROWS tokens (decoding and
+        verification); prefill-sized blocks are compute-bound and go to PyTorch's GEMMs."""
+        if (tokens > SMALL_BATCH_ROWS or self.dtype != torch.bfloat16 or self.device.type != "cpu"
+                or cache.k[0].dtype != torch.bfloat16 or not cpu_kernels.available()):
+            return False
+        if self._kernel_shapes_ok is None:
+            cfg = self.config
+            plain_linears = all(type(m) is Linear for layer in self.layers
+                                for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down))
+            widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+            self._kernel_shapes_ok = (plain_linears and cfg.head_dim % 16 == 0
+                                      and all(w % cpu_kernels.k_multiple() == 0 for w in widths))
+        return self._kernel_shapes_ok
+
+    def _kernel_plan(self, cache: KVCache) -> tuple[ctypes.Array, cpu_kernels.ModelShape, ctypes.Array,
+                                                    ctypes.Array]:
+        """Raw pointers to every layer's weights and KV cache for the C forward. The weight table keeps the
+        tensors it points into alive and is rebuilt when the parameters are replaced (`.to()`); the cache table
+        lives as long as the cache does."""
+        plan = self._kernel_weights
+        if plan is None or plan[0][0] is not self.embed.weight or plan[0][1] is not self.layers[0].attn.wqkv.weight:
+            plan = self._kernel_weights = self._build_kernel_weights()
+        tensors, layers, shape = plan
+        cache_table = self._kernel_caches.get(cache)
+        if cache_table is None:
+            assert all(t.is_contiguous() for t in (*cache.k, *cache.v))
+            cache_table = self._kernel_caches[cache] = (cpu_kernels.addresses(cache.k),
+                                                        cpu_kernels.addresses(cache.v))
+        shape.max_len = cache.max_len
+        return layers, shape, *cache_table
+
+    def _build_kernel_weights(self) -> tuple[list[torch.Tensor], ctypes.Array, cpu_kernels.ModelShape]:
+        cfg = self.config
+        tensors = [self.embed.weight, self.layers[0].attn.wqkv.weight]
+
+        def ptr(module: nn.Module | None, name: str = "weight") -> int | None:
+            tensor = None if module is None else getattr(module, name)
+            if tensor is None:
+                return None
+            if not tensor.is_contiguous() or tensor.dtype != torch.bfloat16:
+                raise ValueError(f"fused CPU kernels need contiguous bf16 weights, got {tensor.dtype}")
+            tensors.append(tensor)
+            return tensor.data_ptr()
+
+        layers = (cpu_kernels.LayerPointers * len(self.layers))()
+        for i, (layer, entry) in enumerate(zip(self.layers, layers)):
+            attn, mlp = layer.attn, layer.mlp
+            entry.attn_norm, entry.wqkv, entry.bqkv = ptr(layer.attn_norm), ptr(attn.wqkv), ptr(attn.wqkv, "bias")
+            entry.q_norm, entry.k_norm, entry.wo = ptr(attn.q_norm), ptr(attn.k_norm), ptr(attn.wo)
+            entry.post_attn_norm, entry.mlp_norm = ptr(layer.post_attn_norm), ptr(layer.mlp_norm)
+            entry.w_gate_up, entry.w_down, entry.post_mlp_norm = ptr(mlp.w_gate_up), ptr(mlp.w_down), \
+                ptr(layer.post_mlp_norm)
+            entry.sliding = int(cfg.layer_types[i] == "sliding")
+        first = self.layers[0]
+        shape = cpu_kernels.ModelShape(
+            dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            inter=cfg.intermediate_size, max_len=0, eps=cfg.rms_norm_eps, scale=first.attn.scale,
+            softcap=first.attn.softcap or 0.0, gemma=int(cfg.is_gemma), gelu=int(first.mlp.act is not F.silu),
+            final_norm=ptr(self.norm))
+        return tensors, layers, shape
+
+    def _run_layers_fused(self, x: torch.Tensor, positions: torch.Tensor, masks: dict, cache: KVCache,
+                          slots: torch.Tensor, cache_pos: torch.Tensor, num_layers: int,
+                          logits_from: int) -> torch.Tensor:
+        """The same layers as `_run_layers`, in one call into cpu_kernels. Returns the final-normed hidden
+        states of rows logits_from.. [B, T - logits_from, hidden]."""
+        B, T, dim = x.shape
+        layers, shape, k_caches, v_caches = self._kernel_plan(cache)
+        ropes = {}
+        for kind in set(self.config.layer_types):
+            inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq
+            freqs = positions.reshape(-1).float()[:, None] * inv_freq
+            ropes[kind] = (freqs.cos(), freqs.sin())
+        residual = x.reshape(B * T, dim).contiguous()
+        normed = cpu_kernels.forward_layers(layers, num_layers, shape, k_caches, v_caches, residual, slots,
+                                            cache_pos.reshape(-1).contiguous(), masks, ropes, B, T,
+                                            torch.get_num_threads())
+        return normed.view(B, T, dim)[:, logits_from:]
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq

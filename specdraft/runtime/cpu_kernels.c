@@ -1,0 +1,420 @@
+/* Fused bf16 kernels for decoding and verification on CPU (see cpu_kernels.py for why they exist).
+ *
+ * Every kernel computes each token row with the same sequence of floating-point operations whatever the
+ * number of rows in the call: a token verified in a block of K gets the bits it would get decoded alone.
+ * bf16 values are stored as uint16; arithmetic is fp32 with explicit FMAs (the file is built with
+ * -ffp-contract=off so the compiler adds none of its own), and results are rounded to bf16 once.
+ *
+ * Layouts are row-major and contiguous: activations [rows, features], weights [out, in] as in nn.Linear,
+ * the KV cache of one layer [slots, kv_heads, max_len, head_dim].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SD_AVX512 1
+#endif
+
+typedef uint16_t bf16;
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline float bf2f(bf16 v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+/* Round to nearest even, NaN stays NaN: what torch does when casting fp32 to bf16. */
+static inline bf16 f2bf(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((c.u >> 16) | 0x40u);
+    return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+int sd_has_avx512(void) {
+#ifdef SD_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- dot products in a fixed 16-lane order -------------------------------------------------------- */
+
+#define LANES 16
+
+#ifdef SD_AVX512
+static inline __m512 load_bf16x16(const bf16 *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* q (fp32) . k (bf16) over D, a multiple of 16. */
+static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += LANES) acc = _mm512_fmadd_ps(load_bf16x16(k + d), _mm512_loadu_ps(q + d), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+static inline float reduce_lanes(float *acc) {
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+    return acc[0];
+}
+
+static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t D) {
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < D; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(bf2f(k[d + l]), q[d + l], acc[l]);
+    return reduce_lanes(acc);
+}
+#endif
+
+/* Weights are streamed once per call; prefetching this many 4-row tiles ahead hides DRAM latency at the start
+ * of each (small) matrix, where the hardware prefetcher has not ramped up yet. */
+int sd_prefetch_tiles = 2;
+
+/* NB weight rows times MB input rows (x has row stride K). Each (weight row, input row) pair gets its own
+ * accumulator, updated over k in order and reduced by the same sequence: the tile shape changes no bits. */
+#if defined(__AVX512BF16__)
+#define X_IS_BF16 1
+/* AVX512-BF16: 32 bf16 products per instruction, pairwise summed into fp32; K a multiple of 32. */
+static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const bf16 *x, int64_t K, int nb,
+                                                           int mb, int64_t pf, float *res) {
+    __m512 acc[4][4];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh xv[4];
+        for (int j = 0; j < mb; j++) xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
+        for (int i = 0; i < nb; i++) {
+            _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * K + k));
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#elif defined(SD_AVX512)
+#define X_IS_BF16 0
+static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const float *x, int64_t K, int nb,
+                                                           int mb, int64_t pf, float *res) {
+    __m512 acc[4][4];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+        __m512 xv[4];
+        for (int j = 0; j < mb; j++) xv[j] = _mm512_loadu_ps(x + j * K + k);
+        for (int i = 0; i < nb; i++) {
+            if ((k & 31) == 0) _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
+            __m512 wv = load_bf16x16(w + i * K + k);
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+#define X_IS_BF16 0
+static inline void dot_tile(const bf16 *w, const float *x, int64_t K, int nb, int mb, int64_t pf, float *res) {
+    (void)pf;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) res[i * mb + j] = dot_f32_bf16(x + j * K, w + i * K, K);
+}
+#endif
+
+/* ---- linear layer: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) ---------------------------------------------- */
+
+#if X_IS_BF16
+typedef bf16 xin_t;
+#else
+typedef float xin_t;
+#endif
+
+#define DISPATCH_TILE(NB, MB) dot_tile(wrow, xin + m * K, K, NB, MB, pf, res)
+
+/* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially). */
+static void linear_for(const xin_t *xin, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                       int64_t K) {
+    const int64_t pf = (int64_t)sd_prefetch_tiles * 4 * K;
+    const int64_t block = 16, nblocks = (N + block - 1) / block;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
+        for (int64_t n = blk * block; n < n_end; n += 4) {
+            const int nb = n_end - n < 4 ? (int)(n_end - n) : 4;
+            const bf16 *wrow = w + n * K;
+            for (int64_t m = 0; m < M; m += 4) {
+                const int mb = M - m < 4 ? (int)(M - m) : 4;
+                float res[16];
+                switch (nb * 4 + mb) {  /* constant tile shapes let the compiler keep accumulators in registers */
+                    case 5: DISPATCH_TILE(1, 1); break;
+                    case 6: DISPATCH_TILE(1, 2); break;
+                    case 7: DISPATCH_TILE(1, 3); break;
+                    case 8: DISPATCH_TILE(1, 4); break;
+                    case 9: DISPATCH_TILE(2, 1); break;
+                    case 10: DISPATCH_TILE(2, 2); break;
+                    case 11: DISPATCH_TILE(2, 3); break;
+                    case 12: DISPATCH_TILE(2, 4); break;
+                    case 13: DISPATCH_TILE(3, 1); break;
+                    case 14: DISPATCH_TILE(3, 2); break;
+                    case 15: DISPATCH_TILE(3, 3); break;
+                    case 16: DISPATCH_TILE(3, 4); break;
+                    case 17: DISPATCH_TILE(4, 1); break;
+                    case 18: DISPATCH_TILE(4, 2); break;
+                    case 19: DISPATCH_TILE(4, 3); break;
+                    default: DISPATCH_TILE(4, 4); break;
+                }
+                for (int i = 0; i < nb; i++)
+                    for (int j = 0; j < mb; j++) {
+                        float v = res[i * mb + j];
+                        if (bias) v += bf2f(bias[n + i]);
+                        y[(m + j) * N + n + i] = f2bf(v);
+                    }
+            }
+        }
+    }
+}
+
+/* The kernel's input: bf16 x itself with AVX512-BF16, else x widened to fp32 into xf (one thread does it). */
+static const xin_t *linear_input(const bf16 *x, int64_t count, float *xf) {
+#if X_IS_BF16
+    (void)count;
+    (void)xf;
+    return x;
+#else
+#pragma omp single
+    for (int64_t i = 0; i < count; i++) xf[i] = bf2f(x[i]);
+    return xf;
+#endif
+}
+
+int sd_linear_k_multiple(void) { return X_IS_BF16 ? 32 : 16; }
+
+/* xf: scratch of M * K floats (unused with AVX512-BF16). */
+void sd_linear(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K,
+               float *xf, int threads) {
+#pragma omp parallel num_threads(threads) if (N * K > 32768)
+    linear_for(linear_input(x, M * K, xf), w, bias, y, M, N, K);
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------------------ */
+
+/* Llama style rounds the normalized row to bf16 before scaling by w; Gemma style scales by (1 + w) in fp32:
+ * the same roundings as the PyTorch modules. */
+static inline void rmsnorm_row(const float *v, const bf16 *w, int64_t dim, float eps, int gemma, bf16 *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < dim; i++) ss = fmaf(v[i], v[i], ss);
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) {
+        if (gemma)
+            out[i] = f2bf(v[i] * r * (1.0f + bf2f(w[i])));
+        else
+            out[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(v[i] * r)));
+    }
+}
+
+/* x (the residual stream, updated in place) += [post_norm](h) when h is given; out = norm(x, w).
+ * scratch: 3 * dim floats. */
+static void add_rmsnorm(bf16 *x, const bf16 *h, const bf16 *post_w, const bf16 *w, bf16 *out, int64_t rows,
+                        int64_t dim, float eps, int gemma, float *scratch) {
+    float *v = scratch, *hv = scratch + dim;
+    bf16 *hn = (bf16 *)(scratch + 2 * dim);
+    for (int64_t r = 0; r < rows; r++) {
+        bf16 *xr = x + r * dim;
+        if (h) {
+            const bf16 *hr = h + r * dim;
+            if (post_w) {
+                for (int64_t i = 0; i < dim; i++) hv[i] = bf2f(hr[i]);
+                rmsnorm_row(hv, post_w, dim, eps, gemma, hn);
+                hr = hn;
+            }
+            for (int64_t i = 0; i < dim; i++) xr[i] = f2bf(bf2f(xr[i]) + bf2f(hr[i]));
+        }
+        for (int64_t i = 0; i < dim; i++) v[i] = bf2f(xr[i]);
+        rmsnorm_row(v, w, dim, eps, gemma, out + r * dim);
+    }
+}
+
+/* ---- q/k norm, RoPE and the KV cache write ---------------------------------------------------------- */
+
+/* qkv [rows, H + 2 Hkv, D] from the fused projection. Queries go to q_out [rows, H, D]; keys and values are
+ * written into the cache at (slot of the row's sequence, cache_pos[row]). cos/sin [rows, D/2] in fp32
+ * (rotate-half convention of Hugging Face checkpoints). scratch: 2 * D floats. */
+static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm_w, float eps, int gemma,
+                       const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *cache_pos,
+                       int64_t T, bf16 *k_cache, bf16 *v_cache, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t max_len, bf16 *q_out, float *scratch) {
+    const int64_t half = D / 2, heads = H + 2 * Hkv;
+    float *v = scratch;
+    bf16 *normed = (bf16 *)(scratch + D);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_t + r * half, *s = sin_t + r * half;
+        const int64_t slot = slots[r / T];
+        for (int64_t hh = 0; hh < H + Hkv; hh++) {
+            const bf16 *src = qkv + (r * heads + hh) * D;
+            const bf16 *norm_w = hh < H ? q_norm_w : k_norm_w;
+            if (norm_w) {
+                for (int64_t i = 0; i < D; i++) v[i] = bf2f(src[i]);
+                rmsnorm_row(v, norm_w, D, eps, gemma, normed);
+                src = normed;
+            }
+            bf16 *dst = hh < H ? q_out + (r * H + hh) * D
+                               : k_cache + ((slot * Hkv + (hh - H)) * max_len + cache_pos[r]) * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf2f(src[i]), b = bf2f(src[i + half]);
+                dst[i] = f2bf(fmaf(a, c[i], -b * s[i]));
+                dst[i + half] = f2bf(fmaf(b, c[i], a * s[i]));
+            }
+        }
+        for (int64_t kv = 0; kv < Hkv; kv++)
+            memcpy(v_cache + ((slot * Hkv + kv) * max_len + cache_pos[r]) * D,
+                   qkv + (r * heads + H + Hkv + kv) * D, (size_t)D * sizeof(bf16));
+    }
+}
+
+/* ---- attention over the cache --------------------------------------------------------------------------- */
+
+/* q [B*T, H, D] -> out [B*T, H, D], work-shared over (row, head). mask [B*T, key_len] is additive fp32; keys it
+ * hides (-inf) are skipped, so a token's result depends only on the keys it sees, in cache order, and not on
+ * the padding or the block it was verified in. softcap > 0 applies tanh capping to the scores.
+ * scratch: key_len + 2 * D floats per thread. */
+static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *slots,
+                          const float *mask, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                          int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out,
+                          float *scratch) {
+    const int64_t group = H / Hkv, total = B * T * H;
+    float *scores = scratch, *qf = scratch + key_len, *acc = qf + D;
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < total; idx++) {
+        const int64_t row = idx / H, h = idx % H, kv = h / group;
+        const int64_t base = (slots[row / T] * Hkv + kv) * max_len;
+        const float *m = mask + row * key_len;
+        for (int64_t d = 0; d < D; d++) qf[d] = bf2f(q[idx * D + d]);
+        float best = -INFINITY;
+        for (int64_t j = 0; j < key_len; j++) {
+            if (m[j] == -INFINITY) continue;
+            float s = dot_f32_bf16(qf, k_cache + (base + j) * D, D);
+            s = softcap > 0.0f ? tanhf(s * scale / softcap) * softcap : s * scale;
+            s += m[j];
+            scores[j] = s;
+            if (s > best) best = s;
+        }
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        float total_p = 0.0f;
+        if (best != -INFINITY) {
+            for (int64_t j = 0; j < key_len; j++) {
+                if (m[j] == -INFINITY) continue;
+                const float p = expf(scores[j] - best);
+                total_p += p;
+                const bf16 *vr = v_cache + (base + j) * D;
+                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, bf2f(vr[d]), acc[d]);
+            }
+        }
+        const float inv = total_p > 0.0f ? 1.0f / total_p : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[idx * D + d] = f2bf(acc[d] * inv);
+    }
+}
+
+/* ---- gated MLP activation ------------------------------------------------------------------------------ */
+
+/* gate_up [rows, 2I] -> out [rows, I] = act(gate) * up; act is SiLU or tanh-approximated GELU. */
+static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I, int gelu) {
+#pragma omp for schedule(static)
+    for (int64_t idx = 0; idx < rows * I; idx++) {
+        const int64_t r = idx / I, i = idx % I;
+        const float g = bf2f(gate_up[r * 2 * I + i]), u = bf2f(gate_up[r * 2 * I + I + i]);
+        float a;
+        if (gelu)
+            a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        else
+            a = g / (1.0f + expf(-g));
+        out[idx] = f2bf(a * u);
+    }
+}
+
+/* ---- the decoder layers ------------------------------------------------------------------------------ */
+
+/* Weights of one layer (NULL where the architecture has none). Mirrored by a ctypes Structure. */
+typedef struct {
+    const bf16 *attn_norm, *wqkv, *bqkv, *q_norm, *k_norm, *wo, *post_attn_norm, *mlp_norm, *w_gate_up, *w_down,
+        *post_mlp_norm;
+    int64_t sliding;
+} sd_layer;
+
+typedef struct {
+    int64_t dim, heads, kv_heads, head_dim, inter, max_len;
+    float eps, scale, softcap;
+    int32_t gemma, gelu;
+    const bf16 *final_norm;
+} sd_model;
+
+/* Runs layers[0 .. num_layers) with their KV caches [slots, kv_heads, max_len, head_dim] on the residual
+ * stream x [B*T, dim] (updated in place) and writes the
+ * final-normed hidden states to `normed` [B*T, dim]. Per-forward inputs: slot of each sequence, cache position
+ * of each row, additive masks [B*T, key_len] and RoPE tables [B*T, D/2] for full and sliding-window layers.
+ * One parallel region for the whole pass: threads meet at a barrier between steps instead of being woken
+ * for each of them. Returns 0, or -1 when scratch memory could not be allocated. */
+int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, bf16 *const *k_caches,
+               bf16 *const *v_caches, bf16 *x, bf16 *normed,
+               const int64_t *slots, const int64_t *cache_pos, const float *mask_full, const float *mask_sliding,
+               int64_t key_len, const float *cos_full, const float *sin_full, const float *cos_sliding,
+               const float *sin_sliding, int64_t B, int64_t T, int threads) {
+    const int64_t rows = B * T, dim = mdl->dim, H = mdl->heads, Hkv = mdl->kv_heads, D = mdl->head_dim;
+    const int64_t I = mdl->inter, qkv_width = (H + 2 * Hkv) * D;
+    const int64_t widest = max64(max64(qkv_width, 2 * I), dim);
+    const int64_t per_thread = key_len + 3 * D + 3 * dim;
+    bf16 *buf = malloc((size_t)rows * (size_t)(widest + 2 * H * D + I + dim) * sizeof(bf16));
+    float *fbuf = malloc((size_t)(per_thread * threads + rows * max64(widest, I)) * sizeof(float));
+    if (!buf || !fbuf) {
+        free(buf);
+        free(fbuf);
+        return -1;
+    }
+    bf16 *wide = buf, *q = wide + rows * widest, *att = q + rows * H * D, *act = att + rows * H * D;
+    bf16 *h = act + rows * I;
+    float *xf = fbuf + per_thread * threads;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        float *scratch = fbuf + per_thread * omp_get_thread_num();
+#else
+        float *scratch = fbuf;
+#endif
+#pragma omp single
+        add_rmsnorm(x, NULL, NULL, layers[0].attn_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+        for (int64_t l = 0; l < num_layers; l++) {
+            const sd_layer *L = &layers[l];
+            const float *mask = L->sliding ? mask_sliding : mask_full;
+            const float *cs = L->sliding ? cos_sliding : cos_full, *sn = L->sliding ? sin_sliding : sin_full;
+            const bf16 *next_norm = l + 1 < num_layers ? layers[l + 1].attn_norm : mdl->final_norm;
+
+            linear_for(linear_input(normed, rows * dim, xf), L->wqkv, L->bqkv, wide, rows, qkv_width, dim);
+#pragma omp single
+            rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
+                       v_caches[l], rows, H, Hkv, D, mdl->max_len, q, scratch);
+            attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
+                          mdl->scale, mdl->softcap, att, scratch);
+            linear_for(linear_input(att, rows * H * D, xf), L->wo, NULL, h, rows, dim, H * D);
+#pragma omp single
+            add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+            linear_for(linear_input(normed, rows * dim, xf), L->w_gate_up, NULL, wide, rows, 2 * I, dim);
+            act_mul_for(wide, act, rows, I, mdl->gelu);
+            linear_for(linear_input(act, rows * I, xf), L->w_down, NULL, h, rows, dim, I);
+#pragma omp single
+            add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+        }
+    }
+    free(buf);
+    free(fbuf);
+    return 0;
+}

@@ -1,0 +1,184 @@
+"""Fused bf16 CPU kernels in C, built on first use with the system C compiler and called through ctypes.
+
+Why: decoding SmolLM2-135M in PyTorch eager mode spends as long dispatching ~35 small operators per layer as
+it does reading the weights, and `torch.mv` streams bf16 weights well below the machine's bandwidth. These
+kernels do each step of a layer in one call (linear, residual add + RMSNorm, q/k norm + RoPE + cache write,
+attention, gated activation) and compute every token row with the same operations whatever the number of
+rows, so verifying K draft tokens gives each one the bits it gets when decoded alone.
+
+The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
+`$SPECDRAFT_CACHE/kernels/`. Without a compiler, or with `SPECDRAFT_KERNELS=0`, the model runs its PyTorch
+code instead (same results up to bf16 rounding, slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+_enabled = True
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _library_path() -> Path:
+    from specdraft.runtime.loader import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    return cache_root() / "kernels" / f"specdraft_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        out.replace(target)  # atomic: a concurrent build never sees a half-written library
+
+
+class LayerPointers(ctypes.Structure):
+    """Mirror of `sd_layer` in cpu_kernels.c: one layer's weights (None where absent)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_attn_norm", "mlp_norm", "w_gate_up",
+        "w_down", "post_mlp_norm")] + [("sliding", ctypes.c_int64)]
+
+
+class ModelShape(ctypes.Structure):
+    """Mirror of `sd_model` in cpu_kernels.c."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("dim", "heads", "kv_heads", "head_dim", "inter", "max_len")] \
+        + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")] \
+        + [("gemma", ctypes.c_int32), ("gelu", ctypes.c_int32), ("final_norm", ctypes.c_void_p)]
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "sd_linear": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
+                    _P, _I,
+                    _P, _P, _P, _P, _I, _I, ctypes.c_int], ctypes.c_int),
+    "sd_linear_k_multiple": ([], ctypes.c_int),
+}
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None (with a warning, once) when it cannot be built."""
+    global _lib, _load_error
+    if _lib is not None or _load_error is not None:
+        return _lib
+    if os.environ.get("SPECDRAFT_KERNELS", "1") == "0":
+        _load_error = "disabled by SPECDRAFT_KERNELS=0"
+        return None
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = restype
+        _lib = lib
+    except (OSError, RuntimeError) as exc:
+        _load_error = str(exc)
+        warnings.warn(f"specdraft: fused CPU kernels unavailable, using PyTorch ops ({exc})", stacklevel=2)
+    return _lib
+
+
+def available() -> bool:
+    return _enabled and load() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the PyTorch ops instead of the kernels inside this block (tests compare both paths)."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _load_error
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T + bias, bf16 in and out, fp32 accumulation."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    scratch = torch.empty(M * K, dtype=torch.float32)
+    _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, scratch.data_ptr(),
+                   threads)
+    return y
+
+
+def k_multiple() -> int:
+    """Input widths of linear layers must be multiples of this (32 with AVX512-BF16, else 16)."""
+    return _lib.sd_linear_k_multiple()
+
+
+def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
+    """A C array of the tensors' data pointers (the caller keeps the tensors alive)."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_caches: ctypes.Array,
+                   v_caches: ctypes.Array, x: torch.Tensor, slots: torch.Tensor, cache_pos: torch.Tensor,
+                   masks: dict[str, torch.Tensor], ropes: dict[str, tuple], batch: int, tokens: int,
+                   threads: int) -> torch.Tensor:
+    """Run the first `num_layers` layers on the residual stream x [B*T, dim] in place; returns the final-normed
+    hidden states.
+    k_caches/v_caches: `addresses` of each layer's cache tensors, contiguous bf16 [slots, kv_heads, L, D]."""
+    normed = torch.empty_like(x)
+    full, sliding = masks.get("full"), masks.get("sliding")
+    key_len = (full if full is not None else sliding).shape[-1]
+    cos_full, sin_full = ropes.get("full", (None, None))
+    cos_sliding, sin_sliding = ropes.get("sliding", (None, None))
+    status = _lib.sd_forward(layers, num_layers, ctypes.byref(shape), k_caches, v_caches, x.data_ptr(),
+                             normed.data_ptr(),
+                             slots.data_ptr(), cache_pos.data_ptr(), _ptr(full), _ptr(sliding), key_len,
+                             _ptr(cos_full), _ptr(sin_full), _ptr(cos_sliding), _ptr(sin_sliding), batch, tokens,
+                             threads)
+    if status != 0:
+        raise MemoryError("cpu_kernels: could not allocate scratch memory for the forward pass")
+    return normed

@@ -1,0 +1,222 @@
+"""The fused bf16 CPU kernels (specdraft/runtime/cpu_kernels.c) against PyTorch, on tiny models whose shapes
+the kernels accept: the linear kernel against an fp32 reference, the fused forward against the PyTorch ops
+path (Llama, Qwen-style qkv bias, Gemma 3 with sliding window, q/k norm and soft-capping), and the property
+speculative decoding rests on: a token's bf16 logits do not depend on how many tokens share its forward
+pass, for linear blocks and token trees. Also: the fallback when the library cannot be built.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specdraft.runtime import ModelConfig, Transformer, cpu_kernels
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: kernels not built")
+FAMILIES = ["llama", "qwen", "gemma3"]
+
+
+def test_kernels_build_where_a_compiler_exists():
+    """A compiler on PATH must give working kernels: otherwise every kernel test below would quietly skip."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+def kernel_config(family: str) -> ModelConfig:
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                  attn_scale=16 ** -0.5)
+    if family == "llama":
+        return ModelConfig(model_type="llama", layer_types=["full"] * 3, tie_word_embeddings=False, **common)
+    if family == "qwen":
+        return ModelConfig(model_type="qwen2", layer_types=["full"] * 3, attention_bias=True,
+                           tie_word_embeddings=True, **common)
+    return ModelConfig(model_type="gemma3_text", layer_types=["sliding", "sliding", "full"], sliding_window=6,
+                       rope_theta=1e6, rope_local_theta=1e4, qk_norm=True, hidden_act="gelu_pytorch_tanh",
+                       embed_scale=64 ** 0.5, tie_word_embeddings=True, attn_logit_softcapping=30.0,
+                       final_logit_softcapping=20.0, **common)
+
+
+def kernel_model(family: str, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(kernel_config(family))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, mean=0.0 if model.config.is_gemma else 1.0, std=0.1)
+            else:
+                torch.nn.init.normal_(param, std=1.0 if "embed" in name else 0.15)
+    inv_freq, inv_freq_local = model.inv_freq, model.inv_freq_local
+    model = model.to(torch.bfloat16)
+    model.inv_freq, model.inv_freq_local = inv_freq, inv_freq_local  # as load_model: RoPE tables in fp32
+    return model.eval()
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 101, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefilled(model: Transformer, prompt: torch.Tensor, max_len: int = 256):
+    cache = model.new_cache(max_len)
+    model(prompt, cache)
+    cache.commit(0, prompt.shape[1])
+    return cache
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 32])
+def test_linear_kernel_matches_fp32_and_rows_are_independent(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 96, generator=gen).to(torch.bfloat16)  # 37 outputs: partial tiles at the end
+    bias = torch.randn(37, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    y = cpu_kernels.linear(x, weight, bias, threads=2)
+    reference = x.float() @ weight.float().T + bias.float()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
+    # Only the summation order differs from the fp32 reference: at most one bf16 rounding step apart.
+    assert ((y.float() - reference).abs() <= reference.abs() * 2 ** -7 + 1e-3).all()
+    for r in range(rows):
+        assert torch.equal(y[r], cpu_kernels.linear(x[r:r + 1], weight, bias, threads=1)[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_models_take_the_kernel_path(family):
+    """The tiny configs must be ones the kernels accept, or the tests below would compare PyTorch to itself."""
+    model = kernel_model(family)
+    cache = model.new_cache(64)
+    assert model._kernels_apply(1, cache) and model._kernels_apply(32, cache)
+    assert not model._kernels_apply(33, cache)
+    with cpu_kernels.disabled():
+        assert not model._kernels_apply(1, cache)
+
+
+def fp32_copy(model: Transformer) -> Transformer:
+    """The same bf16 weights in fp32: the reference both bf16 paths are measured against."""
+    copy = Transformer(model.config)
+    copy.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return copy.eval()
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_forward_as_accurate_as_pytorch_ops(family):
+    """The C path and the PyTorch path round intermediate results at different places, so they are compared
+    with an fp32 run of the same weights: the C path must be about as close to it as PyTorch's bf16 is, for a
+    verification block, an early exit and the hidden states a trained drafter reads."""
+    model = kernel_model(family)
+    reference_model = fp32_copy(model)
+    prompt, block = ids(40, 1), ids(6, 2)
+
+    def run(m, **kwargs):
+        cache = prefilled(m, prompt)
+        return m(block, cache, return_hidden=True, **kwargs)
+
+    for kwargs in ({}, {"exit_layer": 1}):
+        fused, fused_hidden = run(model, **kwargs)
+        with cpu_kernels.disabled():
+            plain, plain_hidden = run(model, **kwargs)
+        reference, reference_hidden = run(reference_model, **kwargs)
+        fused_err = (fused.float() - reference).abs().max().item()
+        plain_err = (plain.float() - reference).abs().max().item()
+        assert fused_err <= 1.5 * plain_err + 1e-3, (kwargs, fused_err, plain_err)
+        hidden_err = (fused_hidden.float() - reference_hidden).abs().max().item()
+        assert hidden_err <= 1.5 * (plain_hidden.float() - reference_hidden).abs().max().item() + 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_forward_writes_the_same_cache(family):
+    """Keys and values the C path writes for a block are the ones the PyTorch path writes (up to rounding):
+    both paths can serve one cache (prefill runs through PyTorch, decoding through the kernels)."""
+    model = kernel_model(family)
+    prompt, block = ids(40, 1), ids(6, 2)
+    fused_cache, torch_cache = prefilled(model, prompt), prefilled(model, prompt)
+    model(block, fused_cache)
+    with cpu_kernels.disabled():
+        model(block, torch_cache)
+    new = slice(40, 46)
+    for layer in range(3):
+        pairs = ((fused_cache.k[layer], torch_cache.k[layer]), (fused_cache.v[layer], torch_cache.v[layer]))
+        for fused, plain in pairs:
+            fused, plain = fused[:, :, new].float(), plain[:, :, new].float()
+            assert torch.allclose(fused, plain, atol=0.05, rtol=0.02)
+            assert fused.abs().amax(-1).gt(0).all()  # every new position written, none left at zero
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("prefix", "length"), [(5, 2), (5, 7), (60, 8), (40, 32)])
+def test_fused_block_equals_incremental_bit_identical(family, prefix, length):
+    """Verification-sized blocks (crossing a 64-key boundary too) give each token exactly the logits it gets
+    when decoded alone."""
+    model = kernel_model(family, seed=length)
+    tokens = ids(prefix + length, prefix)
+    block_cache = prefilled(model, tokens[:, :prefix])
+    block = model(tokens[:, prefix:], block_cache)[0]
+    cache = prefilled(model, tokens[:, :prefix])
+    singles = []
+    for t in range(prefix, prefix + length):
+        singles.append(model(tokens[:, t:t + 1], cache)[0])
+        cache.commit(0, t + 1)
+    assert torch.equal(block, torch.cat(singles))
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_token_tree_node_equals_its_path_decoded(family):
+    """A token tree scored in one pass: each node gets the bits of its root-to-node path decoded token by
+    token (ancestors' keys are found in cache order, so the sum runs in the same order)."""
+    model = kernel_model(family, seed=3)
+    prompt = ids(20, 3)
+    # Tree: 0 -> 1 -> 3, 0 -> 2 -> 4; node tokens and parents.
+    tree_tokens = torch.tensor([[7, 11, 13, 17, 19]])
+    parents = [-1, 0, 0, 1, 2]
+    depth = [0, 1, 1, 2, 2]
+    visible = torch.zeros(5, 5, dtype=torch.bool)
+    for node in range(5):
+        a = node
+        while a >= 0:
+            visible[node, a] = True
+            a = parents[a]
+    cache = prefilled(model, prompt)
+    positions = torch.tensor([[20 + d for d in depth]])
+    tree_logits = model(tree_tokens, cache, positions=positions, tree_mask=visible)[0]
+    for leaf, path in ((3, [0, 1, 3]), (4, [0, 2, 4])):
+        path_cache = prefilled(model, prompt)
+        path_logits = model(tree_tokens[:, path], path_cache)[0]
+        assert torch.equal(tree_logits[path], path_logits), f"leaf {leaf}"
+
+
+@needs_kernels
+def test_fused_slots_are_independent():
+    """Two sequences in one forward get the logits each gets alone (the server's batched decoding)."""
+    model = kernel_model("gemma3", seed=4)
+    a, b = ids(30, 5), ids(30, 6)
+    cache = model.new_cache(64, num_slots=2)
+    for slot, prompt in enumerate((a, b)):
+        model(prompt[:, :25], cache, slots=[slot])
+        cache.commit(slot, 25)
+    both = model(torch.cat([a[:, 25:], b[:, 25:]]), cache)
+    for slot, prompt in enumerate((a, b)):
+        alone = prefilled(model, prompt[:, :25], 64)
+        assert torch.equal(both[slot], model(prompt[:, 25:], alone)[0])
+
+
+def test_unbuildable_kernels_fall_back_with_a_warning(monkeypatch, tmp_path):
+    """No working compiler: a warning, then the PyTorch ops path (same model, same outputs as disabled())."""
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_load_error", None)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    with pytest.warns(UserWarning, match="fused CPU kernels unavailable"):
+        assert not cpu_kernels.available()
+    assert "failed" in cpu_kernels.unavailable_reason()
+    model = kernel_model("llama")
+    cache = model.new_cache(64)
+    assert not model._kernels_apply(1, cache)
+    logits = model(ids(5, 0), cache)
+    assert torch.isfinite(logits.float()).all()
