@@ -7,6 +7,7 @@ pass, for linear blocks and token trees. Also: the fallback when the library can
 
 from __future__ import annotations
 
+import platform
 import shutil
 
 import pytest
@@ -220,3 +221,101 @@ def test_unbuildable_kernels_fall_back_with_a_warning(monkeypatch, tmp_path):
     assert not model._kernels_apply(1, cache)
     logits = model(ids(5, 0), cache)
     assert torch.isfinite(logits.float()).all()
+
+
+def test_thread_governor_falls_back_to_one_thread_and_recovers():
+    """Timings are simulated: 10 ms steps, then 500 ms ones while another process holds a core."""
+    gov = cpu_kernels.ThreadGovernor(slowdown=4.0, patience=3, reprobe=4, max_reprobe=16)
+
+    def step(seconds: float, rows: int = 1, context: int = 100) -> int:
+        threads = gov.threads(2)
+        gov.record(rows, context, threads, 2, seconds)
+        return threads
+
+    assert [step(0.010) for _ in range(5)] == [2] * 5
+    assert [step(0.5) for _ in range(3)] == [2, 2, 2]  # patience: three slow steps in a row
+    assert gov.fallbacks == 1
+    assert [step(0.02) for _ in range(4)] == [1] * 4  # single-threaded for `reprobe` steps
+    assert step(0.5) == 2 and gov.fallbacks == 2  # one slow retry is enough to go back, for twice as long
+    assert [step(0.02) for _ in range(8)] == [1] * 8
+    assert step(0.011) == 2  # the other process is gone
+    assert gov.reprobe == 4 and [step(0.010) for _ in range(3)] == [2, 2, 2]
+    # Verification blocks are not judged, and a long context is compared with its own best time.
+    step(5.0, rows=5)
+    step(0.06, context=50_000)
+    step(0.06, context=50_000)
+    step(0.06, context=50_000)
+    assert gov.fallbacks == 2 and gov.threads(2) == 2
+    # One thread available: nothing to govern.
+    gov.record(1, 100, 1, 1, 9.0)
+    assert gov.threads(1) == 1 and gov.fallbacks == 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_thread_count_changes_no_bit(family):
+    """The governor may switch to one thread mid-generation: outputs must not notice."""
+    model = kernel_model(family, seed=5)
+    prompt, block = ids(30, 7), ids(5, 8)
+    many = model(block, prefilled(model, prompt))
+    model.thread_governor.single_left = 10**6
+    try:
+        assert model.thread_governor.threads(torch.get_num_threads()) == 1 or torch.get_num_threads() == 1
+        one = model(block, prefilled(model, prompt))
+    finally:
+        model.thread_governor.single_left = 0
+    assert torch.equal(many, one)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
+                    reason="the portable variant is built for x86-64 with cc")
+def test_portable_build_without_avx512(monkeypatch, tmp_path):
+    """CPUs without AVX-512 (most laptops) get the plain-C dot products: check them too, since the machine
+    running the tests compiles the AVX512-BF16 variant by default."""
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_load_error", None)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", "x86-64")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert cpu_kernels.k_multiple() == 16 and not cpu_kernels._lib.sd_has_avx512()
+    test_linear_kernel_matches_fp32_and_rows_are_independent(5)
+    for family in FAMILIES:
+        test_fused_block_equals_incremental_bit_identical(family, 60, 8)
+        test_fused_forward_as_accurate_as_pytorch_ops(family)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_draft_runs_in_the_kernels(family):
+    """The quant:int8 self-draft (int8 weights, one scale per output feature) also runs fused, as accurately
+    as torch's int8 kernel with respect to the dequantized weights; it need not be bit-exact (it only
+    drafts), but it is deterministic and row-invariant all the same."""
+    from specdraft.drafters.quant import quantized_copy
+    from specdraft.runtime.quant import quant_supported
+
+    if not quant_supported(8):
+        pytest.skip("torch lacks the int8 weight-only kernel")
+    draft = quantized_copy(kernel_model(family), 8)
+    cache = draft.new_cache(64)
+    assert draft._kernels_apply(1, cache)
+    reference_model = fp32_copy(kernel_model(family))
+    for layer, ref_layer in zip(draft.layers, reference_model.layers):  # the int8 weights, dequantized
+        for name in ("wqkv", "wo"):
+            getattr(ref_layer.attn, name).weight.copy_(getattr(layer.attn, name).dequantize())
+        for name in ("w_gate_up", "w_down"):
+            getattr(ref_layer.mlp, name).weight.copy_(getattr(layer.mlp, name).dequantize())
+    # A parameter of its own: with tied embeddings, copying into lm_head.weight would change the embedding too.
+    reference_model.lm_head.weight = torch.nn.Parameter(draft.lm_head.dequantize(), requires_grad=False)
+    prompt, block = ids(40, 1), ids(6, 2)
+    fused = draft(block, prefilled(draft, prompt))
+    with cpu_kernels.disabled():
+        plain = draft(block, prefilled(draft, prompt))
+    reference = reference_model(block, prefilled(reference_model, prompt))
+    fused_err = (fused.float() - reference).abs().max().item()
+    assert fused_err <= 1.5 * (plain.float() - reference).abs().max().item() + 1e-3
+    singles_cache = prefilled(draft, prompt)
+    singles = []
+    for t in range(6):
+        singles.append(draft(block[:, t:t + 1], singles_cache))
+        singles_cache.commit(0, 41 + t)
+    assert torch.equal(torch.cat(singles, 1), fused)

@@ -132,6 +132,44 @@ static inline void dot_tile(const bf16 *w, const float *x, int64_t K, int nb, in
 }
 #endif
 
+/* ---- int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k] ------------- */
+
+#ifdef SD_AVX512
+static inline __m512 load_i8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline __attribute__((always_inline)) void dot_tile_i8(const int8_t *w, const float *x, int64_t K, int nb,
+                                                              int mb, int64_t pf, float *res) {
+    __m512 acc[4][4];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += LANES) {
+        __m512 xv[4];
+        for (int j = 0; j < mb; j++) xv[j] = _mm512_loadu_ps(x + j * K + k);
+        for (int i = 0; i < nb; i++) {
+            if ((k & 63) == 0) _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
+            __m512 wv = load_i8x16(w + i * K + k);
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+static inline void dot_tile_i8(const int8_t *w, const float *x, int64_t K, int nb, int mb, int64_t pf,
+                               float *res) {
+    (void)pf;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float acc[LANES] = {0};
+            for (int64_t k = 0; k < K; k += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] = fmaf((float)w[i * K + k + l], x[j * K + k + l], acc[l]);
+            res[i * mb + j] = reduce_lanes(acc);
+        }
+}
+#endif
+
 /* ---- linear layer: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) ---------------------------------------------- */
 
 #if X_IS_BF16
@@ -140,11 +178,31 @@ typedef bf16 xin_t;
 typedef float xin_t;
 #endif
 
-#define DISPATCH_TILE(NB, MB) dot_tile(wrow, xin + m * K, K, NB, MB, pf, res)
+/* Constant tile shapes let the compiler keep the accumulators in registers. */
+#define TILE_SWITCH(FN, W, X)                       \
+    switch (nb * 4 + mb) {                          \
+        case 5: FN(W, X, K, 1, 1, pf, res); break;  \
+        case 6: FN(W, X, K, 1, 2, pf, res); break;  \
+        case 7: FN(W, X, K, 1, 3, pf, res); break;  \
+        case 8: FN(W, X, K, 1, 4, pf, res); break;  \
+        case 9: FN(W, X, K, 2, 1, pf, res); break;  \
+        case 10: FN(W, X, K, 2, 2, pf, res); break; \
+        case 11: FN(W, X, K, 2, 3, pf, res); break; \
+        case 12: FN(W, X, K, 2, 4, pf, res); break; \
+        case 13: FN(W, X, K, 3, 1, pf, res); break; \
+        case 14: FN(W, X, K, 3, 2, pf, res); break; \
+        case 15: FN(W, X, K, 3, 3, pf, res); break; \
+        case 16: FN(W, X, K, 3, 4, pf, res); break; \
+        case 17: FN(W, X, K, 4, 1, pf, res); break; \
+        case 18: FN(W, X, K, 4, 2, pf, res); break; \
+        case 19: FN(W, X, K, 4, 3, pf, res); break; \
+        default: FN(W, X, K, 4, 4, pf, res); break; \
+    }
 
-/* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially). */
-static void linear_for(const xin_t *xin, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
-                       int64_t K) {
+/* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially).
+ * bf16 weights read xin; int8 weights (scale != NULL, one scale per output) read x32, x widened to fp32. */
+static void linear_for(const xin_t *xin, const float *x32, const void *w, const bf16 *scale, const bf16 *bias,
+                       bf16 *y, int64_t M, int64_t N, int64_t K) {
     const int64_t pf = (int64_t)sd_prefetch_tiles * 4 * K;
     const int64_t block = 16, nblocks = (N + block - 1) / block;
 #pragma omp for schedule(static)
@@ -152,31 +210,20 @@ static void linear_for(const xin_t *xin, const bf16 *w, const bf16 *bias, bf16 *
         const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
         for (int64_t n = blk * block; n < n_end; n += 4) {
             const int nb = n_end - n < 4 ? (int)(n_end - n) : 4;
-            const bf16 *wrow = w + n * K;
             for (int64_t m = 0; m < M; m += 4) {
                 const int mb = M - m < 4 ? (int)(M - m) : 4;
                 float res[16];
-                switch (nb * 4 + mb) {  /* constant tile shapes let the compiler keep accumulators in registers */
-                    case 5: DISPATCH_TILE(1, 1); break;
-                    case 6: DISPATCH_TILE(1, 2); break;
-                    case 7: DISPATCH_TILE(1, 3); break;
-                    case 8: DISPATCH_TILE(1, 4); break;
-                    case 9: DISPATCH_TILE(2, 1); break;
-                    case 10: DISPATCH_TILE(2, 2); break;
-                    case 11: DISPATCH_TILE(2, 3); break;
-                    case 12: DISPATCH_TILE(2, 4); break;
-                    case 13: DISPATCH_TILE(3, 1); break;
-                    case 14: DISPATCH_TILE(3, 2); break;
-                    case 15: DISPATCH_TILE(3, 3); break;
-                    case 16: DISPATCH_TILE(3, 4); break;
-                    case 17: DISPATCH_TILE(4, 1); break;
-                    case 18: DISPATCH_TILE(4, 2); break;
-                    case 19: DISPATCH_TILE(4, 3); break;
-                    default: DISPATCH_TILE(4, 4); break;
+                if (scale) {
+                    const int8_t *wrow = (const int8_t *)w + n * K;
+                    TILE_SWITCH(dot_tile_i8, wrow, x32 + m * K)
+                } else {
+                    const bf16 *wrow = (const bf16 *)w + n * K;
+                    TILE_SWITCH(dot_tile, wrow, xin + m * K)
                 }
                 for (int i = 0; i < nb; i++)
                     for (int j = 0; j < mb; j++) {
                         float v = res[i * mb + j];
+                        if (scale) v *= bf2f(scale[n + i]);
                         if (bias) v += bf2f(bias[n + i]);
                         y[(m + j) * N + n + i] = f2bf(v);
                     }
@@ -185,26 +232,25 @@ static void linear_for(const xin_t *xin, const bf16 *w, const bf16 *bias, bf16 *
     }
 }
 
-/* The kernel's input: bf16 x itself with AVX512-BF16, else x widened to fp32 into xf (one thread does it). */
-static const xin_t *linear_input(const bf16 *x, int64_t count, float *xf) {
-#if X_IS_BF16
-    (void)count;
-    (void)xf;
-    return x;
-#else
+static void widen(const bf16 *x, int64_t count, float *xf) {
 #pragma omp single
     for (int64_t i = 0; i < count; i++) xf[i] = bf2f(x[i]);
-    return xf;
-#endif
+}
+
+/* A linear layer with bf16 or int8 (scale != NULL) weights, inside a parallel region; xf: M * K floats. */
+static void linear_any(const bf16 *x, const void *w, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
+                       int64_t N, int64_t K, float *xf) {
+    if (scale || !X_IS_BF16) widen(x, M * K, xf);
+    linear_for((const xin_t *)(X_IS_BF16 ? (const void *)x : (const void *)xf), xf, w, scale, bias, y, M, N, K);
 }
 
 int sd_linear_k_multiple(void) { return X_IS_BF16 ? 32 : 16; }
 
-/* xf: scratch of M * K floats (unused with AVX512-BF16). */
+/* xf: scratch of M * K floats. */
 void sd_linear(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K,
                float *xf, int threads) {
 #pragma omp parallel num_threads(threads) if (N * K > 32768)
-    linear_for(linear_input(x, M * K, xf), w, bias, y, M, N, K);
+    linear_any(x, w, NULL, bias, y, M, N, K, xf);
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
@@ -346,8 +392,9 @@ static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I,
 
 /* Weights of one layer (NULL where the architecture has none). Mirrored by a ctypes Structure. */
 typedef struct {
-    const bf16 *attn_norm, *wqkv, *bqkv, *q_norm, *k_norm, *wo, *post_attn_norm, *mlp_norm, *w_gate_up, *w_down,
-        *post_mlp_norm;
+    const bf16 *attn_norm, *bqkv, *q_norm, *k_norm, *post_attn_norm, *mlp_norm, *post_mlp_norm;
+    const void *wqkv, *wo, *w_gate_up, *w_down;                  /* bf16, or int8 when the scale is set */
+    const bf16 *wqkv_scale, *wo_scale, *w_gate_up_scale, *w_down_scale;  /* per output feature, or NULL */
     int64_t sliding;
 } sd_layer;
 
@@ -398,18 +445,18 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
             const float *cs = L->sliding ? cos_sliding : cos_full, *sn = L->sliding ? sin_sliding : sin_full;
             const bf16 *next_norm = l + 1 < num_layers ? layers[l + 1].attn_norm : mdl->final_norm;
 
-            linear_for(linear_input(normed, rows * dim, xf), L->wqkv, L->bqkv, wide, rows, qkv_width, dim);
+            linear_any(normed, L->wqkv, L->wqkv_scale, L->bqkv, wide, rows, qkv_width, dim, xf);
 #pragma omp single
             rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
                        v_caches[l], rows, H, Hkv, D, mdl->max_len, q, scratch);
             attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
-            linear_for(linear_input(att, rows * H * D, xf), L->wo, NULL, h, rows, dim, H * D);
+            linear_any(att, L->wo, L->wo_scale, NULL, h, rows, dim, H * D, xf);
 #pragma omp single
             add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
-            linear_for(linear_input(normed, rows * dim, xf), L->w_gate_up, NULL, wide, rows, 2 * I, dim);
+            linear_any(normed, L->w_gate_up, L->w_gate_up_scale, NULL, wide, rows, 2 * I, dim, xf);
             act_mul_for(wide, act, rows, I, mdl->gelu);
-            linear_for(linear_input(act, rows * I, xf), L->w_down, NULL, h, rows, dim, I);
+            linear_any(act, L->w_down, L->w_down_scale, NULL, h, rows, dim, I, xf);
 #pragma omp single
             add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
         }

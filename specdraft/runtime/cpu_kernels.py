@@ -28,7 +28,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+def _flags() -> list[str]:
+    """SPECDRAFT_KERNEL_MARCH picks another target than this CPU (tests build the portable x86-64 variant)."""
+    march = os.environ.get("SPECDRAFT_KERNEL_MARCH", "native")
+    return ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
@@ -49,7 +52,7 @@ def _cpu_signature() -> str:
 def _library_path() -> Path:
     from specdraft.runtime.loader import cache_root
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_signature().encode())
     return cache_root() / "kernels" / f"specdraft_cpu-{key.hexdigest()[:16]}.so"
 
 
@@ -60,7 +63,7 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *_flags(), str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
                               text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -68,11 +71,13 @@ def _build(target: Path) -> None:
 
 
 class LayerPointers(ctypes.Structure):
-    """Mirror of `sd_layer` in cpu_kernels.c: one layer's weights (None where absent)."""
+    """Mirror of `sd_layer` in cpu_kernels.c: one layer's weights (None where absent). A linear layer's
+    weight is bf16 [out, in], or int8 with one bf16 scale per output feature (`*_scale` set)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "post_attn_norm", "mlp_norm", "w_gate_up",
-        "w_down", "post_mlp_norm")] + [("sliding", ctypes.c_int64)]
+        "attn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
+        "wqkv", "wo", "w_gate_up", "w_down", "wqkv_scale", "wo_scale", "w_gate_up_scale", "w_down_scale",
+    )] + [("sliding", ctypes.c_int64)]
 
 
 class ModelShape(ctypes.Structure):
@@ -90,6 +95,7 @@ _SIGNATURES = {
                     _P, _I,
                     _P, _P, _P, _P, _I, _I, ctypes.c_int], ctypes.c_int),
     "sd_linear_k_multiple": ([], ctypes.c_int),
+    "sd_has_avx512": ([], ctypes.c_int),
 }
 
 
@@ -182,3 +188,47 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
     if status != 0:
         raise MemoryError("cpu_kernels: could not allocate scratch memory for the forward pass")
     return normed
+
+
+class ThreadGovernor:
+    """How many threads the fused forward uses: all of torch's, unless the cores are oversubscribed.
+
+    The threads of one forward meet at a barrier about ten times per layer. When another process keeps one of
+    the cores busy, the descheduled thread stalls every barrier: an 11 ms decoding step measured 570 ms on two
+    shared cores. One thread has no barrier to wait at. So the governor watches single-token forwards (the
+    steady state of decoding), comparing each with the best time seen with all threads at a similar context
+    length: after `patience` in a row take over `slowdown` times that, it runs single-threaded, and retries all
+    threads after `reprobe` forwards, doubling that wait (up to `max_reprobe`) while the retries stay slow.
+    Results do not depend on the thread count (each output is computed by one thread, in the same order), so
+    switching never changes a bit.
+    """
+
+    def __init__(self, slowdown: float = 4.0, patience: int = 3, reprobe: int = 64, max_reprobe: int = 1024):
+        self.slowdown, self.patience = slowdown, patience
+        self.min_reprobe, self.max_reprobe = reprobe, max_reprobe
+        self.reprobe = reprobe
+        self.best: dict[int, float] = {}  # by context length bucket (powers of two)
+        self.strikes = 0
+        self.single_left = 0
+        self.fallbacks = 0  # times it went single-threaded (diagnostics, tests)
+
+    def threads(self, available: int) -> int:
+        return 1 if self.single_left > 0 and available > 1 else available
+
+    def record(self, rows: int, context: int, threads: int, available: int, seconds: float) -> None:
+        if rows != 1 or available == 1:
+            return
+        if threads == 1:
+            self.single_left -= 1
+            return
+        bucket = max(context, 1).bit_length()
+        best = self.best[bucket] = min(self.best.get(bucket, seconds), seconds)
+        if seconds <= self.slowdown * best:
+            self.strikes, self.reprobe = 0, self.min_reprobe
+            return
+        self.strikes += 1
+        if self.strikes >= self.patience:
+            self.single_left = self.reprobe
+            self.reprobe = min(2 * self.reprobe, self.max_reprobe)
+            self.strikes = self.patience - 1  # after a single-threaded stretch, one slow retry sends it back
+            self.fallbacks += 1

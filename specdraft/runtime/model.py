@@ -6,15 +6,20 @@ KV cache and returns their logits: prefill, decoding, verification of K draft to
 (through `tree_mask`) are all the same call.
 
 Numerics: activations run in the weights' dtype (bf16 by default on CPU), norms, RoPE tables and softmax in
-fp32. Attention is written with two matmuls over a key range padded to KEY_BLOCK, which on CPU makes every
-token's result independent of how many tokens share the forward pass: speculative output then equals plain
-decoding bit for bit in bf16, not just up to near-ties.
+fp32. Every token's result must not depend on how many tokens share the forward pass, so that speculative
+output equals plain decoding bit for bit in bf16, not just up to near-ties. Two paths give that on CPU:
+- bf16 blocks of up to SMALL_BATCH_ROWS tokens run all layers in one call into the fused C kernels
+  (cpu_kernels.py), which compute each row with the same operations whatever the row count;
+- otherwise (no compiler, fp32, GPU) the PyTorch modules below, whose attention is two matmuls over a key
+  range padded to KEY_BLOCK.
+Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -25,6 +30,7 @@ from torch import nn
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
+from specdraft.runtime.quant import Int8Linear
 
 
 class RMSNorm(nn.Module):
@@ -118,9 +124,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """k_cache/v_cache [S, Hkv, L, D] of this layer; index = (slot [B, 1], cache position [B, T]) of each
-        new token; mask [B, 1, T, 1, key_len] additive."""
+        new token; mask [B, 1, T, 1, key_len] additive; causal: the mask is plain causal from key 0 (a
+        prompt's prefill), which SDPA computes faster without it."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -140,9 +147,10 @@ class Attention(nn.Module):
         # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
         if T > SMALL_BATCH_ROWS and not self.softcap:
             # Prefill-sized blocks are never compared bit for bit with decoding: use the fused kernel.
-            visible = mask[:, :, :, 0] == 0
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible,
-                                                 scale=self.scale, enable_gqa=True)
+            # The additive fp32 mask as is: a boolean one would be converted back to it in every layer.
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=None if causal else mask[:, :, :, 0],
+                                                 is_causal=causal, scale=self.scale, enable_gqa=True)
             return self.wo(out.transpose(1, 2).reshape(B, T, H * D))
         # Grouped-query attention without repeating K/V: the G query heads of one KV head share its matmul.
         # Rows are token-major (token t owns rows t*G .. t*G+G-1) so a block can be split by tokens.
@@ -207,8 +215,8 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if gemma else None
 
-    def forward(self, x: torch.Tensor, rope, k_cache, v_cache, slots, index, mask) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, k_cache, v_cache, slots, index, mask)
+    def forward(self, x: torch.Tensor, rope, k_cache, v_cache, slots, index, mask, causal=False) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), rope, k_cache, v_cache, slots, index, mask, causal)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -233,9 +241,9 @@ class Transformer(nn.Module):
         local_theta = cfg.rope_local_theta or cfg.rope_theta
         self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local_theta, None), persistent=False)
         self.requires_grad_(False)
-        self._kernel_shapes_ok: bool | None = None  # decided at the first forward (after any quantization)
-        self._kernel_weights: tuple | None = None
+        self._kernel_table: tuple | None = None  # see _kernel_weights
         self._kernel_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.thread_governor = cpu_kernels.ThreadGovernor()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -274,6 +282,11 @@ class Transformer(nn.Module):
         slots = list(range(B)) if slots is None else list(slots)
         cache.check_room(slots, T)
         starts = [cache.lengths[s] for s in slots]
+        # A prompt on an empty cache: every layer kind whose window covers the block is plainly causal.
+        from_start = positions is None and tree_mask is None and max(starts) == 0
+        window = self.config.sliding_window
+        causal = {kind: from_start and (kind == "full" or window is None or T <= window)
+                  for kind in self.config.layer_types}
         if positions is None:
             offsets = torch.tensor(starts, device=tokens.device)[:, None]
             positions = offsets + torch.arange(T, device=tokens.device)[None, :]
@@ -292,7 +305,8 @@ class Transformer(nn.Module):
             logits = self.lm_head(hidden)
         else:
             ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
-            x = self._run_layers(x, ropes, masks, cache.k[:num_layers], cache.v[:num_layers], tuple(slots), index)
+            x = self._run_layers(x, ropes, masks, causal, cache.k[:num_layers], cache.v[:num_layers], tuple(slots),
+                                 index)
             hidden = self.norm(x[:, logits_from:])
             logits = self.lm_head(hidden)
         if self.config.final_logit_softcapping:
@@ -300,13 +314,13 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return (logits, hidden) if return_hidden else logits
 
-    def _run_layers(self, x: torch.Tensor, ropes: dict, masks: dict, k_caches: list[torch.Tensor],
+    def _run_layers(self, x: torch.Tensor, ropes: dict, masks: dict, causal: dict, k_caches: list[torch.Tensor],
                     v_caches: list[torch.Tensor], slots: tuple[int, ...],
                     index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The hot loop: every layer reads its own slice of the KV cache."""
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             kind = self.config.layer_types[layer.attn.layer_idx]
-            x = layer(x, ropes[kind], k_cache, v_cache, slots, index, masks[kind])
+            x = layer(x, ropes[kind], k_cache, v_cache, slots, index, masks[kind], causal[kind])
         return x
 
     def _kernels_apply(self, tokens: int, cache: KVCache) -> bool:
@@ -315,61 +329,62 @@ class Transformer(nn.Module):
         if (tokens > SMALL_BATCH_ROWS or self.dtype != torch.bfloat16 or self.device.type != "cpu"
                 or cache.k[0].dtype != torch.bfloat16 or not cpu_kernels.available()):
             return False
-        if self._kernel_shapes_ok is None:
-            cfg = self.config
-            plain_linears = all(type(m) is Linear for layer in self.layers
-                                for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down))
-            widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-            self._kernel_shapes_ok = (plain_linears and cfg.head_dim % 16 == 0
-                                      and all(w % cpu_kernels.k_multiple() == 0 for w in widths))
-        return self._kernel_shapes_ok
+        return self._kernel_weights() is not None
 
-    def _kernel_plan(self, cache: KVCache) -> tuple[ctypes.Array, cpu_kernels.ModelShape, ctypes.Array,
-                                                    ctypes.Array]:
-        """Raw pointers to every layer's weights and KV cache for the C forward. The weight table keeps the
-        tensors it points into alive and is rebuilt when the parameters are replaced (`.to()`); the cache table
-        lives as long as the cache does."""
-        plan = self._kernel_weights
-        if plan is None or plan[0][0] is not self.embed.weight or plan[0][1] is not self.layers[0].attn.wqkv.weight:
-            plan = self._kernel_weights = self._build_kernel_weights()
-        tensors, layers, shape = plan
-        cache_table = self._kernel_caches.get(cache)
-        if cache_table is None:
+    def _kernel_weights(self) -> tuple[ctypes.Array, cpu_kernels.ModelShape] | None:
+        """Raw pointers to every layer's weights for the C forward (None if some layer has a layout the kernels
+        do not read). Rebuilt when the parameters or linear modules are replaced (`.to()`, quantization); the
+        cached entry keeps the tensors it points into alive."""
+        cached = self._kernel_table
+        if cached is None or cached[0] is not self.embed.weight or cached[1] is not self.layers[0].attn.wqkv:
+            cached = self._kernel_table = (self.embed.weight, self.layers[0].attn.wqkv, *self._build_kernel_weights())
+        return cached[3]
+
+    def _kernel_cache(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        """The cache's per-layer key and value addresses, kept as long as the cache lives."""
+        table = self._kernel_caches.get(cache)
+        if table is None:
             assert all(t.is_contiguous() for t in (*cache.k, *cache.v))
-            cache_table = self._kernel_caches[cache] = (cpu_kernels.addresses(cache.k),
-                                                        cpu_kernels.addresses(cache.v))
-        shape.max_len = cache.max_len
-        return layers, shape, *cache_table
+            table = self._kernel_caches[cache] = (cpu_kernels.addresses(cache.k), cpu_kernels.addresses(cache.v))
+        return table
 
-    def _build_kernel_weights(self) -> tuple[list[torch.Tensor], ctypes.Array, cpu_kernels.ModelShape]:
+    def _build_kernel_weights(self) -> tuple[list, tuple[ctypes.Array, cpu_kernels.ModelShape] | None]:
         cfg = self.config
-        tensors = [self.embed.weight, self.layers[0].attn.wqkv.weight]
+        widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+        linears = [(layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down) for layer in self.layers]
+        weights = [[_kernel_weight(m) for m in four] for four in linears]
+        if (cfg.head_dim % 16 or any(w % cpu_kernels.k_multiple() for w in widths)
+                or any(w is None for four in weights for w in four)):
+            return [], None
+        keep: list[torch.Tensor] = []
 
-        def ptr(module: nn.Module | None, name: str = "weight") -> int | None:
-            tensor = None if module is None else getattr(module, name)
+        def ptr(tensor: torch.Tensor | None) -> int | None:
             if tensor is None:
                 return None
-            if not tensor.is_contiguous() or tensor.dtype != torch.bfloat16:
-                raise ValueError(f"fused CPU kernels need contiguous bf16 weights, got {tensor.dtype}")
-            tensors.append(tensor)
+            keep.append(tensor)
             return tensor.data_ptr()
+
+        def norm(module: RMSNorm | None) -> int | None:
+            return None if module is None else ptr(module.weight)
 
         layers = (cpu_kernels.LayerPointers * len(self.layers))()
         for i, (layer, entry) in enumerate(zip(self.layers, layers)):
-            attn, mlp = layer.attn, layer.mlp
-            entry.attn_norm, entry.wqkv, entry.bqkv = ptr(layer.attn_norm), ptr(attn.wqkv), ptr(attn.wqkv, "bias")
-            entry.q_norm, entry.k_norm, entry.wo = ptr(attn.q_norm), ptr(attn.k_norm), ptr(attn.wo)
-            entry.post_attn_norm, entry.mlp_norm = ptr(layer.post_attn_norm), ptr(layer.mlp_norm)
-            entry.w_gate_up, entry.w_down, entry.post_mlp_norm = ptr(mlp.w_gate_up), ptr(mlp.w_down), \
-                ptr(layer.post_mlp_norm)
+            attn = layer.attn
+            entry.attn_norm, entry.mlp_norm = norm(layer.attn_norm), norm(layer.mlp_norm)
+            entry.post_attn_norm, entry.post_mlp_norm = norm(layer.post_attn_norm), norm(layer.post_mlp_norm)
+            entry.q_norm, entry.k_norm = norm(attn.q_norm), norm(attn.k_norm)
+            entry.bqkv = ptr(attn.wqkv.bias)
+            for name, (weight, scale) in zip(("wqkv", "wo", "w_gate_up", "w_down"), weights[i]):
+                setattr(entry, name, ptr(weight))
+                setattr(entry, f"{name}_scale", ptr(scale))
             entry.sliding = int(cfg.layer_types[i] == "sliding")
         first = self.layers[0]
         shape = cpu_kernels.ModelShape(
             dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             inter=cfg.intermediate_size, max_len=0, eps=cfg.rms_norm_eps, scale=first.attn.scale,
             softcap=first.attn.softcap or 0.0, gemma=int(cfg.is_gemma), gelu=int(first.mlp.act is not F.silu),
-            final_norm=ptr(self.norm))
-        return tensors, layers, shape
+            final_norm=norm(self.norm))
+        return keep, (layers, shape)
 
     def _run_layers_fused(self, x: torch.Tensor, positions: torch.Tensor, masks: dict, cache: KVCache,
                           slots: torch.Tensor, cache_pos: torch.Tensor, num_layers: int,
@@ -377,16 +392,22 @@ class Transformer(nn.Module):
         """The same layers as `_run_layers`, in one call into cpu_kernels. Returns the final-normed hidden
         states of rows logits_from.. [B, T - logits_from, hidden]."""
         B, T, dim = x.shape
-        layers, shape, k_caches, v_caches = self._kernel_plan(cache)
+        layers, shape = self._kernel_weights()
+        k_caches, v_caches = self._kernel_cache(cache)
+        shape.max_len = cache.max_len
         ropes = {}
         for kind in set(self.config.layer_types):
             inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq
             freqs = positions.reshape(-1).float()[:, None] * inv_freq
             ropes[kind] = (freqs.cos(), freqs.sin())
         residual = x.reshape(B * T, dim).contiguous()
+        available = torch.get_num_threads()
+        threads = self.thread_governor.threads(available)
+        start = time.perf_counter()
         normed = cpu_kernels.forward_layers(layers, num_layers, shape, k_caches, v_caches, residual, slots,
-                                            cache_pos.reshape(-1).contiguous(), masks, ropes, B, T,
-                                            torch.get_num_threads())
+                                            cache_pos.reshape(-1).contiguous(), masks, ropes, B, T, threads)
+        elapsed = time.perf_counter() - start
+        self.thread_governor.record(B * T, int(cache_pos.view(-1)[-1]), threads, available, elapsed)
         return normed.view(B, T, dim)[:, logits_from:]
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,6 +448,17 @@ class Transformer(nn.Module):
             near = key_pos[:, None, :] > positions[:, :, None] - window             # [B, T, L]
             out["sliding"] = _additive(visible & near)
         return out
+
+
+def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, per-output scale or None) of a linear layer in a layout the C kernels read: our bf16 Linear, or
+    an int8 weight-only layer (the quant:int8 draft) with unpadded input; None for anything else."""
+    if type(module) is Linear and module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
+        return module.weight, None
+    if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
+            and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
+        return module.weight_int8, module.scales
+    return None
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
