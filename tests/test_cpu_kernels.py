@@ -223,32 +223,37 @@ def test_unbuildable_kernels_fall_back_with_a_warning(monkeypatch, tmp_path):
     assert torch.isfinite(logits.float()).all()
 
 
-def test_thread_governor_falls_back_to_one_thread_and_recovers():
-    """Timings are simulated: 10 ms steps, then 500 ms ones while another process holds a core."""
-    gov = cpu_kernels.ThreadGovernor(slowdown=4.0, patience=3, reprobe=4, max_reprobe=16)
+def test_thread_governor_picks_the_faster_mode_by_measurement():
+    """Simulated timings: all threads 10 ms and one thread 16 ms on a quiet machine; then another process
+    takes a core: all threads 500 ms, one thread 20 ms; then it leaves."""
+    gov = cpu_kernels.ThreadGovernor(first_probe=3, interval=4, max_interval=16)
+    quiet, busy = {2: 0.010, 1: 0.016}, {2: 0.5, 1: 0.020}
 
-    def step(seconds: float, rows: int = 1, context: int = 100) -> int:
-        threads = gov.threads(2)
-        gov.record(rows, context, threads, 2, seconds)
-        return threads
+    def run(times: dict, steps: int, rows: int = 1) -> list[int]:
+        used = []
+        for _ in range(steps):
+            threads = gov.threads(2)
+            gov.record(rows, threads, 2, times[threads])
+            used.append(threads)
+        return used
 
-    assert [step(0.010) for _ in range(5)] == [2] * 5
-    assert [step(0.5) for _ in range(3)] == [2, 2, 2]  # patience: three slow steps in a row
-    assert gov.fallbacks == 1
-    assert [step(0.02) for _ in range(4)] == [1] * 4  # single-threaded for `reprobe` steps
-    assert step(0.5) == 2 and gov.fallbacks == 2  # one slow retry is enough to go back, for twice as long
-    assert [step(0.02) for _ in range(8)] == [1] * 8
-    assert step(0.011) == 2  # the other process is gone
-    assert gov.reprobe == 4 and [step(0.010) for _ in range(3)] == [2, 2, 2]
-    # Verification blocks are not judged, and a long context is compared with its own best time.
-    step(5.0, rows=5)
-    step(0.06, context=50_000)
-    step(0.06, context=50_000)
-    step(0.06, context=50_000)
-    assert gov.fallbacks == 2 and gov.threads(2) == 2
-    # One thread available: nothing to govern.
-    gov.record(1, 100, 1, 1, 9.0)
-    assert gov.threads(1) == 1 and gov.fallbacks == 2
+    # Quiet: one probe of a single thread after 3 forwards loses, and the next probes come ever later.
+    assert run(quiet, 4) == [2, 2, 2, 1]
+    assert run(quiet, 9 + 17) == [2] * 8 + [1] + [2] * 16 + [1]
+    assert gov.switches == 0 and gov.interval == 16
+    # Busy: the running estimate for all threads passes twice the single-thread time: probe at once, switch.
+    assert run(busy, 6) == [2, 1, 1, 1, 1, 1] and gov.single and gov.switches == 1
+    # While busy, retries of all threads keep losing and come ever later (4, 8, 16 forwards).
+    used = run(busy, 40)
+    assert used.count(2) == 3 and gov.single
+    # Quiet again: the next retry wins.
+    used = run(quiet, 17)
+    assert used[-1] == 2 and not gov.single and gov.switches == 2
+    # Verification blocks are never timed, and with one thread there is nothing to choose.
+    before = dict(gov.estimate)
+    run(busy, 5, rows=5)
+    assert gov.estimate == before
+    assert gov.threads(1) == 1
 
 
 @needs_kernels
@@ -258,12 +263,12 @@ def test_thread_count_changes_no_bit(family):
     model = kernel_model(family, seed=5)
     prompt, block = ids(30, 7), ids(5, 8)
     many = model(block, prefilled(model, prompt))
-    model.thread_governor.single_left = 10**6
+    model.thread_governor.single = True
     try:
-        assert model.thread_governor.threads(torch.get_num_threads()) == 1 or torch.get_num_threads() == 1
+        assert model.thread_governor.threads(torch.get_num_threads()) == 1
         one = model(block, prefilled(model, prompt))
     finally:
-        model.thread_governor.single_left = 0
+        model.thread_governor.single = False
     assert torch.equal(many, one)
 
 

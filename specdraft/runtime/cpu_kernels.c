@@ -104,43 +104,19 @@ static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const 
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
-#elif defined(SD_AVX512)
-#define X_IS_BF16 0
-static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const float *x, int64_t K, int nb,
-                                                           int mb, int64_t pf, float *res) {
-    __m512 acc[4][4];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += LANES) {
-        __m512 xv[4];
-        for (int j = 0; j < mb; j++) xv[j] = _mm512_loadu_ps(x + j * K + k);
-        for (int i = 0; i < nb; i++) {
-            if ((k & 31) == 0) _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
-            __m512 wv = load_bf16x16(w + i * K + k);
-            for (int j = 0; j < mb; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
 #else
 #define X_IS_BF16 0
-static inline void dot_tile(const bf16 *w, const float *x, int64_t K, int nb, int mb, int64_t pf, float *res) {
-    (void)pf;
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) res[i * mb + j] = dot_f32_bf16(x + j * K, w + i * K, K);
-}
 #endif
 
-/* ---- int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k] ------------- */
-
+/* The same tile with fp32 FMAs, for weights widened to fp32 from bf16 or from int8 (`int8`, a constant at
+ * every call site, so the compiler emits one specialized loop per case). x is fp32. */
 #ifdef SD_AVX512
 static inline __m512 load_i8x16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-static inline __attribute__((always_inline)) void dot_tile_i8(const int8_t *w, const float *x, int64_t K, int nb,
-                                                              int mb, int64_t pf, float *res) {
+static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, const float *x, int64_t K, int nb,
+                                                                int mb, int64_t pf, float *res, int int8) {
     __m512 acc[4][4];
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
@@ -148,8 +124,16 @@ static inline __attribute__((always_inline)) void dot_tile_i8(const int8_t *w, c
         __m512 xv[4];
         for (int j = 0; j < mb; j++) xv[j] = _mm512_loadu_ps(x + j * K + k);
         for (int i = 0; i < nb; i++) {
-            if ((k & 63) == 0) _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
-            __m512 wv = load_i8x16(w + i * K + k);
+            __m512 wv;
+            if (int8) {
+                const int8_t *wi = (const int8_t *)w + i * K + k;
+                if ((k & 63) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
+                wv = load_i8x16(wi);
+            } else {
+                const bf16 *wi = (const bf16 *)w + i * K + k;
+                if ((k & 31) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
+                wv = load_bf16x16(wi);
+            }
             for (int j = 0; j < mb; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
@@ -157,18 +141,28 @@ static inline __attribute__((always_inline)) void dot_tile_i8(const int8_t *w, c
         for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 #else
-static inline void dot_tile_i8(const int8_t *w, const float *x, int64_t K, int nb, int mb, int64_t pf,
-                               float *res) {
+static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int nb, int mb, int64_t pf, float *res,
+                                 int int8) {
     (void)pf;
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
             float acc[LANES] = {0};
             for (int64_t k = 0; k < K; k += LANES)
-                for (int l = 0; l < LANES; l++) acc[l] = fmaf((float)w[i * K + k + l], x[j * K + k + l], acc[l]);
+                for (int l = 0; l < LANES; l++) {
+                    const int64_t at = i * K + k + l;
+                    const float wv = int8 ? (float)((const int8_t *)w)[at] : bf2f(((const bf16 *)w)[at]);
+                    acc[l] = fmaf(wv, x[j * K + k + l], acc[l]);
+                }
             res[i * mb + j] = reduce_lanes(acc);
         }
 }
 #endif
+
+#if !X_IS_BF16
+#define dot_tile(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 0)
+#endif
+/* int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k]. */
+#define dot_tile_i8(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 1)
 
 /* ---- linear layer: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) ---------------------------------------------- */
 

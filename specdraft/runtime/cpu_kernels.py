@@ -1,10 +1,11 @@
 """Fused bf16 CPU kernels in C, built on first use with the system C compiler and called through ctypes.
 
 Why: decoding SmolLM2-135M in PyTorch eager mode spends as long dispatching ~35 small operators per layer as
-it does reading the weights, and `torch.mv` streams bf16 weights well below the machine's bandwidth. These
-kernels do each step of a layer in one call (linear, residual add + RMSNorm, q/k norm + RoPE + cache write,
-attention, gated activation) and compute every token row with the same operations whatever the number of
-rows, so verifying K draft tokens gives each one the bits it gets when decoded alone.
+it does reading the weights, and `torch.mv` streams bf16 weights well below the machine's bandwidth. Here one
+call (`forward_layers`) runs every layer of a forward pass: linear layers (bf16, or int8 for the quantized
+self-draft), residual add + RMSNorm, q/k norm + RoPE + cache write, attention and the gated activation, with
+the threads of one OpenMP parallel region. Every token row is computed with the same operations whatever
+the number of rows, so verifying K draft tokens gives each one the bits it gets when decoded alone.
 
 The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
 `$SPECDRAFT_CACHE/kernels/`. Without a compiler, or with `SPECDRAFT_KERNELS=0`, the model runs its PyTorch
@@ -191,44 +192,52 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
 
 
 class ThreadGovernor:
-    """How many threads the fused forward uses: all of torch's, unless the cores are oversubscribed.
+    """Chooses, by measurement, between all of torch's threads and one thread for the fused forward.
 
     The threads of one forward meet at a barrier about ten times per layer. When another process keeps one of
     the cores busy, the descheduled thread stalls every barrier: an 11 ms decoding step measured 570 ms on two
-    shared cores. One thread has no barrier to wait at. So the governor watches single-token forwards (the
-    steady state of decoding), comparing each with the best time seen with all threads at a similar context
-    length: after `patience` in a row take over `slowdown` times that, it runs single-threaded, and retries all
-    threads after `reprobe` forwards, doubling that wait (up to `max_reprobe`) while the retries stay slow.
-    Results do not depend on the thread count (each output is computed by one thread, in the same order), so
-    switching never changes a bit.
+    shared cores, where one thread, which waits at no barrier, takes about 18 ms. So, like the draft-length
+    controller, the governor keeps a running estimate of the single-token forward time (the steady state of
+    decoding) in the mode it runs, and now and then times one forward in the other mode: after `first_probe`
+    forwards, then every `interval` forwards, doubling the interval (up to `max_interval`) while the other
+    mode keeps losing, and at once when the current mode has become `react` times slower than the other
+    mode's last time. Results do not depend on the thread count (each output is computed by one thread, in
+    the same order), so switching never changes a bit.
     """
 
-    def __init__(self, slowdown: float = 4.0, patience: int = 3, reprobe: int = 64, max_reprobe: int = 1024):
-        self.slowdown, self.patience = slowdown, patience
-        self.min_reprobe, self.max_reprobe = reprobe, max_reprobe
-        self.reprobe = reprobe
-        self.best: dict[int, float] = {}  # by context length bucket (powers of two)
-        self.strikes = 0
-        self.single_left = 0
-        self.fallbacks = 0  # times it went single-threaded (diagnostics, tests)
+    def __init__(self, first_probe: int = 8, interval: int = 64, max_interval: int = 1024, react: float = 2.0,
+                 smoothing: float = 0.3) -> None:
+        self.min_interval, self.max_interval, self.interval = interval, max_interval, interval
+        self.react, self.smoothing = react, smoothing
+        self.countdown = first_probe
+        self.single = False  # the mode it runs in
+        self.estimate: dict[bool, float | None] = {False: None, True: None}  # seconds per forward, by mode
+        self.switches = 0
 
     def threads(self, available: int) -> int:
-        return 1 if self.single_left > 0 and available > 1 else available
+        if available == 1:
+            return 1
+        single = self.single if self.countdown > 0 else not self.single  # countdown over: probe the other
+        return 1 if single else available
 
-    def record(self, rows: int, context: int, threads: int, available: int, seconds: float) -> None:
+    def record(self, rows: int, threads: int, available: int, seconds: float) -> None:
         if rows != 1 or available == 1:
             return
-        if threads == 1:
-            self.single_left -= 1
+        single = threads == 1
+        if single != self.single:  # a probe of the other mode
+            self.estimate[single] = seconds
+            current = self.estimate[self.single]
+            if current is None or seconds < current:
+                self.single, self.interval = single, self.min_interval
+                self.switches += 1
+            else:
+                self.interval = min(2 * self.interval, self.max_interval)
+            self.countdown = self.interval
             return
-        bucket = max(context, 1).bit_length()
-        best = self.best[bucket] = min(self.best.get(bucket, seconds), seconds)
-        if seconds <= self.slowdown * best:
-            self.strikes, self.reprobe = 0, self.min_reprobe
-            return
-        self.strikes += 1
-        if self.strikes >= self.patience:
-            self.single_left = self.reprobe
-            self.reprobe = min(2 * self.reprobe, self.max_reprobe)
-            self.strikes = self.patience - 1  # after a single-threaded stretch, one slow retry sends it back
-            self.fallbacks += 1
+        previous = self.estimate[single]
+        current = seconds if previous is None else (1 - self.smoothing) * previous + self.smoothing * seconds
+        self.estimate[single] = current
+        self.countdown -= 1
+        other = self.estimate[not single]
+        if other is not None and current > self.react * other:
+            self.countdown = 0

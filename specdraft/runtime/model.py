@@ -406,8 +406,7 @@ class Transformer(nn.Module):
         start = time.perf_counter()
         normed = cpu_kernels.forward_layers(layers, num_layers, shape, k_caches, v_caches, residual, slots,
                                             cache_pos.reshape(-1).contiguous(), masks, ropes, B, T, threads)
-        elapsed = time.perf_counter() - start
-        self.thread_governor.record(B * T, int(cache_pos.view(-1)[-1]), threads, available, elapsed)
+        self.thread_governor.record(B * T, threads, available, time.perf_counter() - start)
         return normed.view(B, T, dim)[:, logits_from:]
 
     def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
