@@ -314,3 +314,33 @@ def test_low_confidence_stops_drafting_early(target, draft):
     # Fewer tokens drafted per round: the draft stops at its first low-confidence token (after the first).
     per_round = lambda e: e.totals.drafted / e.totals.speculative_rounds  # noqa: E731
     assert per_round(cautious) < per_round(eager)
+
+
+def test_failed_probes_back_off_and_a_paying_probe_resets_the_wait():
+    """Simulated rounds (no model): a plain forward takes 10 ms, verification 11 ms. While a draft step costs
+    8 ms and every draft is rejected, the wait before each probe doubles up to the cap; once a probe pays
+    (2 ms drafts, all accepted), the next fallback waits the base time again."""
+    from specdraft.engine.adaptive import DraftLengthController
+
+    # window=1: estimates follow the last round, so one paying probe is enough to resume speculation.
+    controller = DraftLengthController(4, AdaptiveConfig(reprobe_after=4, max_reprobe_after=16, window=1))
+    waits: list[int] = []
+
+    def rounds(n: int, accept: bool) -> None:
+        for _ in range(n):
+            k = controller.next_k()
+            if k == 0:
+                controller.update(0, 0, 0.0, 0.010)
+                continue
+            controller.update(k, k if accept else 0, (0.002 if accept else 0.008) * k, 0.011)
+            if controller.in_fallback:
+                waits.append(controller.fallback_left)
+
+    rounds(120, accept=False)
+    assert waits[:5] == [4, 8, 16, 16, 16]
+    assert any("for 16 rounds" in line for line in controller.log)
+    waits.clear()
+    rounds(20, accept=True)  # the next probe pays: speculation goes on
+    assert not controller.in_fallback and controller.reprobe_after == 4
+    rounds(10, accept=False)
+    assert waits[0] == 4

@@ -4,7 +4,10 @@ With per-token acceptance probability `alpha`, a round that drafts K tokens prod
 (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al., 2023). It costs K draft steps plus one target
 forward over K+1 tokens. Both costs are measured as the request runs, so the controller picks the K that
 maximizes tokens per second, and drafts nothing (plain decoding) when no K beats a plain forward. After a
-fallback it re-probes speculation every `reprobe_after` plain rounds, since acceptance depends on the text.
+fallback it re-probes speculation after `reprobe_after` plain rounds, since acceptance depends on the text;
+each probe that falls back again doubles that wait (up to `max_reprobe_after`), because with a fast target
+a failed probe (the draft catching up, then a verification) costs several plain steps, and a drafter that
+never pays on this model would otherwise keep paying for probes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ class AdaptiveConfig:
     min_acceptance: float = 0.4  # fall back when the recent acceptance rate drops below this
     window: int = 8  # rounds of history the estimates average over (EMA horizon)
     reprobe_after: int = 16  # plain rounds before speculation is tried again
+    max_reprobe_after: int = 256  # the wait doubles after each failed probe, up to this
     min_speedup: float = 1.0  # fall back when the best expected speedup is below this
 
     def __post_init__(self) -> None:
@@ -25,6 +29,8 @@ class AdaptiveConfig:
             raise ValueError("min_acceptance must be in [0, 1)")
         if self.window < 1 or self.reprobe_after < 1:
             raise ValueError("window and reprobe_after must be >= 1")
+        if self.max_reprobe_after < self.reprobe_after:
+            raise ValueError("max_reprobe_after must be >= reprobe_after")
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -46,6 +52,8 @@ class DraftLengthController:
         self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
         self.verify_extra = 0.0  # extra seconds per verified draft token over a plain forward (EMA)
         self.fallback_left = 0
+        self.reprobe_after = self.config.reprobe_after  # the current wait (grows while probes fail)
+        self.probing = False  # the speculation under way is a probe after a fallback
         self.fallback_events = 0
         self.log: list[str] = []
 
@@ -70,6 +78,7 @@ class DraftLengthController:
                 self.log.append("re-probing speculation")
                 self.alpha = max(self.alpha, self.config.min_acceptance + 0.1)
                 self.k = 1
+                self.probing = True
             return 0
         return self.k
 
@@ -96,8 +105,13 @@ class DraftLengthController:
         best_k = max(range(1, self.max_k + 1), key=self.expected_speedup)
         best = self.expected_speedup(best_k)
         if self.alpha < self.config.min_acceptance or best < self.config.min_speedup:
-            self.fallback_left = self.config.reprobe_after
+            if self.probing:  # the probe failed: wait longer before the next one
+                self.reprobe_after = min(2 * self.reprobe_after, self.config.max_reprobe_after)
+            self.fallback_left = self.reprobe_after
             self.fallback_events += 1
-            self.log.append(f"fallback to plain decoding: acceptance {self.alpha:.2f}, expected speedup "
-                            f"{best:.2f} at K={best_k}")
+            self.log.append(f"fallback to plain decoding for {self.fallback_left} rounds: acceptance "
+                            f"{self.alpha:.2f}, expected speedup {best:.2f} at K={best_k}")
+        elif self.probing:  # speculation pays again
+            self.reprobe_after = self.config.reprobe_after
+        self.probing = False
         self.k = best_k
