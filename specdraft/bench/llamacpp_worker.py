@@ -55,7 +55,11 @@ class LlamaBackend:
         common = dict(model_path=str(config["model_path"]), n_ctx=int(config["n_ctx"]), n_threads=threads,
                       n_threads_batch=threads, verbose=False, seed=0)
         pld = LlamaPromptLookupDecoding(num_pred_tokens=int(config["pld_tokens"]))
-        self.models = {"llamacpp": Llama(**common), "llamacpp-pld": Llama(**common, draft_model=pld)}
+        # logits_all=True for the draft model's Llama: llama-cpp-python 0.3.36 evaluates it with all logits but
+        # sizes its score buffer from the argument (n_batch rows), so prompts over 512 tokens fail with
+        # "could not broadcast input array ... into shape (0,)".
+        self.models = {"llamacpp": Llama(**common),
+                       "llamacpp-pld": Llama(**common, draft_model=pld, logits_all=True)}
         self.info = {"extra_bufts": bool(self.models["llamacpp"].model_params.use_extra_bufts)
                      if hasattr(self.models["llamacpp"].model_params, "use_extra_bufts") else None,
                      "n_threads": threads, "pid": os.getpid()}
