@@ -41,20 +41,32 @@ class ModelDrafter:
         self.params = SamplingParams(temperature=0.0)
         self.generator: torch.Generator | None = None
         self._proposed_at = 0  # len(context) when the last proposal was made
+        self.target_cache: KVCache | None = None  # set by start() when share_prompt_cache
         self._num_proposed = 0
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
               target_cache: KVCache | None = None) -> None:
         self.params, self.generator = params, generator
         self.cache.reset()
-        if self.share_prompt_cache and target_cache is not None:
-            n = min(len(prompt_ids), target_cache.length(0))
-            for mine, theirs in ((self.cache.k, target_cache.k), (self.cache.v, target_cache.v)):
-                for layer, dst in enumerate(mine):
-                    dst[0, :, :n] = theirs[layer][0, :, :n]
-            self.cache.commit(0, n)
+        self.target_cache = target_cache if self.share_prompt_cache else None
+        self._catch_up_from_target(len(prompt_ids))
         if self.cache.length() < len(prompt_ids):
             self._forward(list(prompt_ids[self.cache.length():]), want_logits=False)
+
+    def _catch_up_from_target(self, context_len: int) -> None:
+        """Copy the target's committed keys/values the draft has not seen (the prompt; the tokens decoded
+        while the engine had fallen back to plain decoding) instead of running them through the draft: for
+        `self:N` they are exactly what the draft would compute, for `quant:*` the target's own, and a probe
+        after a long fallback then costs one draft step instead of a forward over every missed token."""
+        if self.target_cache is None:
+            return
+        start, end = self.cache.length(), min(context_len, self.target_cache.length(0), self.cache.max_len)
+        if end - start < 2:  # one token is as cheap to feed as to copy
+            return
+        for mine, theirs in ((self.cache.k, self.target_cache.k), (self.cache.v, self.target_cache.v)):
+            for layer, dst in enumerate(mine):
+                dst[0, :, start:end] = theirs[layer][0, :, start:end]
+        self.cache.commit(0, end)
 
     def _forward(self, tokens: list[int], want_logits: bool = True) -> torch.Tensor | None:
         x = torch.tensor([tokens], device=self.model.device)
@@ -67,6 +79,7 @@ class ModelDrafter:
         max_k = min(max_k, room)
         if max_k <= 0:
             return Proposal([])
+        self._catch_up_from_target(len(context) - 1)
         feed = list(context[self.cache.length():])
         tokens: list[int] = []
         probs: list[torch.Tensor] = []

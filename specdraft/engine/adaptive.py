@@ -33,6 +33,11 @@ class AdaptiveConfig:
             raise ValueError("max_reprobe_after must be >= reprobe_after")
 
 
+# Plain rounds before the first speculation: the first decoding step after a prefill is slower than the rest
+# (caches and threads are cold), and a baseline taken from it alone would make any drafter look profitable.
+CALIBRATION_ROUNDS = 2
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens per round when each draft token is accepted with probability alpha (bonus included)."""
     if alpha >= 1.0:
@@ -50,6 +55,7 @@ class DraftLengthController:
         self.alpha = 0.7  # optimistic prior so that speculation gets tried
         self.draft_step = 0.0  # seconds per draft token (EMA)
         self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
+        self.plain_rounds = 0
         self.verify_extra = 0.0  # extra seconds per verified draft token over a plain forward (EMA)
         self.fallback_left = 0
         self.reprobe_after = self.config.reprobe_after  # the current wait (grows while probes fail)
@@ -70,8 +76,8 @@ class DraftLengthController:
     def next_k(self) -> int:
         if not self.config.enabled:
             return self.max_k
-        if self.plain_forward is None:
-            return 0  # one plain forward first: the baseline every speedup estimate is measured against
+        if self.plain_rounds < CALIBRATION_ROUNDS:
+            return 0  # plain forwards first: the baseline every speedup estimate is measured against
         if self.fallback_left > 0:
             self.fallback_left -= 1
             if self.fallback_left == 0:
@@ -91,8 +97,16 @@ class DraftLengthController:
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
         """Feed one round's outcome. drafted == 0 means a plain forward (used to time the baseline)."""
         if drafted == 0:
-            self.plain_forward = self._ema(self.plain_forward, verify_time)
+            self.plain_rounds += 1
+            if self.plain_rounds <= CALIBRATION_ROUNDS:  # the first decoding step runs cold: keep the fastest
+                self.plain_forward = min(self.plain_forward or verify_time, verify_time)
+            else:
+                self.plain_forward = self._ema(self.plain_forward, verify_time)
             return
+        if self.plain_forward is not None:
+            # Verifying K+1 tokens never beats a 1-token forward: a bound that keeps the baseline honest
+            # while speculation runs and no plain round refreshes it.
+            self.plain_forward = min(self.plain_forward, verify_time)
         failures = 1 if accepted < drafted else 0
         round_alpha = accepted / (accepted + failures) if accepted + failures else self.alpha
         self.alpha = self._ema(self.alpha, round_alpha)
