@@ -51,7 +51,9 @@ class DraftLengthController:
     def __init__(self, max_k: int, config: AdaptiveConfig | None = None) -> None:
         self.max_k = max_k
         self.config = config or AdaptiveConfig()
-        self.k = max_k
+        # The first speculative round drafts one token: it measures what a draft step costs before long drafts
+        # are risked (a draft as slow as the target would waste max_k steps); the next round picks K from it.
+        self.k = 1
         self.alpha = 0.7  # optimistic prior so that speculation gets tried
         self.draft_step = 0.0  # seconds per draft token (EMA)
         self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
