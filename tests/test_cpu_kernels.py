@@ -50,10 +50,7 @@ def kernel_model(family: str, seed: int = 0) -> Transformer:
                 torch.nn.init.normal_(param, mean=0.0 if model.config.is_gemma else 1.0, std=0.1)
             else:
                 torch.nn.init.normal_(param, std=1.0 if "embed" in name else 0.15)
-    inv_freq, inv_freq_local = model.inv_freq, model.inv_freq_local
-    model = model.to(torch.bfloat16)
-    model.inv_freq, model.inv_freq_local = inv_freq, inv_freq_local  # as load_model: RoPE tables in fp32
-    return model.eval()
+    return model.to(torch.bfloat16).eval()  # the RoPE tables stay fp32 (Transformer.init_rope_tables)
 
 
 def ids(n: int, seed: int) -> torch.Tensor:

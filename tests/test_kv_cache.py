@@ -43,11 +43,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -
                 torch.nn.init.normal_(param, mean=0.0 if model.config.is_gemma else 1.0, std=0.1)
             else:
                 torch.nn.init.normal_(param, std=0.1 if "embed" not in name else 1.0)
-    if dtype != torch.float32:
-        inv_freq, inv_freq_local = model.inv_freq, model.inv_freq_local
-        model = model.to(dtype)
-        model.inv_freq, model.inv_freq_local = inv_freq, inv_freq_local  # as load_model: RoPE tables in fp32
-    return model.eval()
+    return model.to(dtype).eval()  # the RoPE tables stay fp32 (Transformer.init_rope_tables)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

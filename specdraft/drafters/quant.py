@@ -27,7 +27,7 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> Tra
         draft = Transformer(target.config)
     # Shares the target's tensors (no copy); quantization below swaps in new linear modules for the draft only.
     draft.load_state_dict(target.state_dict(), assign=True)
-    draft.inv_freq, draft.inv_freq_local = target.inv_freq, target.inv_freq_local
+    draft.init_rope_tables(target.device)
     return quantize_linears(draft, bits, group_size=group_size)
 
 

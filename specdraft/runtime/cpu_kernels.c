@@ -240,7 +240,7 @@ static void linear_any(const bf16 *x, const void *w, const bf16 *scale, const bf
 
 int sd_linear_k_multiple(void) { return X_IS_BF16 ? 32 : 16; }
 
-/* xf: scratch of M * K floats. */
+/* xf: scratch of M * K floats (unused, may be NULL, with AVX512-BF16). */
 void sd_linear(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K,
                float *xf, int threads) {
 #pragma omp parallel num_threads(threads) if (N * K > 32768)

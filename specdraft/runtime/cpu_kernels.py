@@ -153,9 +153,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, thr
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    scratch = torch.empty(M * K, dtype=torch.float32)
-    _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, scratch.data_ptr(),
-                   threads)
+    # The AVX512-BF16 kernel reads bf16 x directly; the others widen it to fp32 first, into this.
+    scratch = None if k_multiple() == 32 else torch.empty(M * K, dtype=torch.float32)
+    _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
     return y
 
 

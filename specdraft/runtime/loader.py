@@ -23,7 +23,7 @@ import torch
 
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.errors import ModelLoadError
-from specdraft.runtime.model import Transformer, rope_inv_freq
+from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
 
@@ -235,9 +235,7 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torc
         raise ModelLoadError(f"weights do not fit the architecture: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    # Buffers built on the meta device hold no data: compute them for real.
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    model.inv_freq_local = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None).to(device)
+    model.init_rope_tables(device)  # built on the meta device, they hold no data yet
     return model.eval()
 
 

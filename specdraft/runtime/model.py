@@ -236,14 +236,27 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
-        local_theta = cfg.rope_local_theta or cfg.rope_theta
-        self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, local_theta, None), persistent=False)
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.register_buffer("inv_freq_local", None, persistent=False)
+        self.init_rope_tables(torch.get_default_device())
         self.requires_grad_(False)
         self._kernel_table: tuple | None = None  # see _kernel_weights
         self._kernel_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.thread_governor = cpu_kernels.ThreadGovernor()
+
+    def init_rope_tables(self, device: torch.device | str) -> None:
+        """(Re)compute the RoPE inverse frequencies in fp32 on `device`: at construction, after a load onto
+        the meta device, and after every `.to()` (which would otherwise cast them to the weights' dtype;
+        bf16 angles put every position off)."""
+        cfg = self.config
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        self.inv_freq_local = rope_inv_freq(cfg.head_dim, local_theta, None).to(device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.init_rope_tables(self.inv_freq.device)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -397,9 +410,8 @@ class Transformer(nn.Module):
         shape.max_len = cache.max_len
         ropes = {}
         for kind in set(self.config.layer_types):
-            inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq
-            freqs = positions.reshape(-1).float()[:, None] * inv_freq
-            ropes[kind] = (freqs.cos(), freqs.sin())
+            angles = self._rope_angles(positions, kind).reshape(B * T, -1)  # fp32, half width, as the C reads
+            ropes[kind] = (angles.cos(), angles.sin())
         residual = x.reshape(B * T, dim).contiguous()
         available = torch.get_num_threads()
         threads = self.thread_governor.threads(available)
@@ -409,9 +421,13 @@ class Transformer(nn.Module):
         self.thread_governor.record(B * T, threads, available, time.perf_counter() - start)
         return normed.view(B, T, dim)[:, logits_from:]
 
-    def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_angles(self, positions: torch.Tensor, kind: str) -> torch.Tensor:
+        """[B, T, head_dim / 2] fp32 rotation angles of each position (sliding layers have their own base)."""
         inv_freq = self.inv_freq_local if kind == "sliding" else self.inv_freq
-        freqs = positions.float()[..., None] * inv_freq
+        return positions.float()[..., None] * inv_freq
+
+    def _rope(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self._rope_angles(positions, kind)
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         sin = emb.sin()
         half = sin.shape[-1] // 2
