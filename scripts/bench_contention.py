@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdraft.runtime.cpu_kernels import ThreadGovernor
+from specdraft.runtime.fused import ThreadGovernor
 from specdraft.runtime.loader import load_model
 
 
@@ -28,7 +28,7 @@ def decode(model, steps: int) -> tuple[float, int]:
     token, single = torch.tensor([[5]]), 0
     start = time.perf_counter()
     for i in range(steps):
-        single += model.thread_governor.threads(torch.get_num_threads()) == 1
+        single += model.fused.governor.threads(torch.get_num_threads()) == 1
         model(token, cache)
         cache.commit(0, 61 + i)
     return (time.perf_counter() - start) / steps * 1e3, single
@@ -43,7 +43,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {args.steps} steps")
 
     def report(label: str, governor: ThreadGovernor, steps: int) -> None:
-        model.thread_governor = governor
+        model.fused.governor = governor
         ms, single = decode(model, steps)
         print(f"{label:<24} {ms:6.1f} ms/forward ({single} single-threaded)")
 

@@ -1,7 +1,7 @@
 """specdraft: lossless speculative decoding for Hugging Face checkpoints."""
 
 from specdraft.api import LLM, CompletionOutput, RequestOutput
-from specdraft.runtime.errors import ContextOverflowError, ModelLoadError, SpecdraftError
+from specdraft.errors import ContextOverflowError, ModelLoadError, SpecdraftError
 from specdraft.verify.sampling import InvalidParameterError, SamplingParams
 
 __version__ = "0.1.0"

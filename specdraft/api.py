@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.config import SpecConfig, is_config_ref
-from specdraft.drafters import make_drafter
 from specdraft.engine.adaptive import AdaptiveConfig
-from specdraft.engine.generate import GenerationResult, SpeculativeEngine, StreamChunk
+from specdraft.engine.core import Engine, GenerationResult, StreamChunk, build_engine
 from specdraft.engine.metrics import SpecMetrics
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
@@ -45,6 +44,7 @@ class RequestOutput:
 
 
 Prompt = str | list[int]
+Messages = list[dict[str, str]]
 
 
 class LLM:
@@ -56,82 +56,70 @@ class LLM:
         dtype: str = "bf16",
         device: str | None = None,
         max_model_len: int = 4096,
+        max_batch: int = 1,
         adaptive: bool = True,
         min_acceptance: float = 0.4,
         drafter_options: dict[str, Any] | None = None,
         progress: bool = True,
     ) -> None:
         """`model` is a model reference (catalog name, HF directory, .gguf file) or a JSON config (path or
-        dict, see `SpecConfig`); explicit arguments are used when no config is given."""
+        dict, see `SpecConfig`); explicit arguments are used when no config is given. `max_batch` requests
+        run at once (one KV-cache slot each): `generate` and `chat` with several prompts batch them."""
         if isinstance(model, dict) or isinstance(model, Path) or is_config_ref(str(model)):
             cfg = SpecConfig.load(model)
         else:
-            cfg = SpecConfig(model=model, draft_model=speculative_model, speculation_length=num_speculative_tokens,
-                             dtype=dtype, device=device, max_model_len=max_model_len, adaptive=adaptive,
+            cfg = SpecConfig(model=model, speculative_model=speculative_model,
+                             num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                             max_model_len=max_model_len, max_batch=max_batch, adaptive=adaptive,
                              min_acceptance=min_acceptance, drafter_options=dict(drafter_options or {}))
         self.config = cfg
         self.target = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, progress=progress)
         self.tokenizer = load_tokenizer(cfg.model, progress=progress)
-        max_len = min(cfg.max_model_len, self.target.config.max_position_embeddings)
-        self.drafter = None
-        if cfg.draft_model and cfg.speculation_length > 0:
-            self.drafter = make_drafter(cfg.draft_model, self.target, self.tokenizer, max_len=max_len,
-                                        options=cfg.drafter_options, dtype=cfg.dtype)
-        adaptive_cfg = AdaptiveConfig(enabled=cfg.adaptive, min_acceptance=cfg.min_acceptance)
-        self.engine = SpeculativeEngine(self.target, self.tokenizer, self.drafter, cfg.speculation_length,
-                                        adaptive_cfg, max_model_len=max_len)
+        self.engine: Engine = build_engine(
+            self.target, self.tokenizer, cfg.speculative_model, cfg.num_speculative_tokens,
+            AdaptiveConfig(enabled=cfg.adaptive, min_acceptance=cfg.min_acceptance), cfg.max_model_len,
+            cfg.max_batch, cfg.drafter_options)
+
+    @property
+    def drafter(self):
+        return self.engine.drafter
 
     @property
     def metrics(self) -> SpecMetrics:
         """Cumulative metrics over every request served so far."""
         return self.engine.totals
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise SpecdraftError("empty prompt")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise SpecdraftError("a prompt is a string or a list of token ids")
-
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Strings or token-id lists; one `RequestOutput` per prompt, in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = self._params_list(sampling_params, len(prompts))
-        # Validate every request before running any, so a bad one cannot leave half a batch done.
-        encoded = [self._prompt_ids(p) for p in prompts]
-        for ids, params in zip(encoded, params_list):
-            self.engine.validate(ids, params)
-        return [self._run(p if isinstance(p, str) else None, ids, params)
-                for p, ids, params in zip(prompts, encoded, params_list)]
+        if not prompts:
+            raise SpecdraftError("generate needs at least one prompt")
+        encoded = [self.tokenizer.prompt_ids(p) for p in prompts]
+        return self._run([p if isinstance(p, str) else None for p in prompts], encoded, sampling_params)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: Messages | list[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or any(not c for c in conversations):
             raise SpecdraftError("chat needs at least one message")
-        encoded = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        params_list = self._params_list(sampling_params, len(encoded))
-        for ids, params in zip(encoded, params_list):
-            self.engine.validate(ids, params)
-        return [self._run(None, ids, params) for ids, params in zip(encoded, params_list)]
+        encoded = [self.tokenizer.prompt_ids(c) for c in conversations]
+        return self._run([None] * len(encoded), encoded, sampling_params)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+    def stream(self, prompt: Prompt | Messages, sampling_params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[StreamChunk]:
         """Text deltas as they are produced; the last chunk carries the full `GenerationResult`."""
-        if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        else:
-            ids = self._prompt_ids(prompt)
-        return self.engine.stream(ids, sampling_params or SamplingParams())
+        return self.engine.stream(self.tokenizer.prompt_ids(prompt, chat=chat), sampling_params or SamplingParams())
 
-    def _run(self, prompt: str | None, ids: list[int], params: SamplingParams) -> RequestOutput:
-        result = self.engine.generate(ids, params)
-        completion = CompletionOutput(0, result.text, result.token_ids, result.finish_reason)
-        return RequestOutput(prompt, ids, [completion], result.metrics, result)
+    def _run(self, prompts: list[str | None], encoded: list[list[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        params = self._params_list(sampling_params, len(encoded))
+        results = self.engine.generate_many(encoded, params)
+        return [RequestOutput(prompt, ids, [CompletionOutput(0, r.text, r.token_ids, r.finish_reason)], r.metrics, r)
+                for prompt, ids, r in zip(prompts, encoded, results)]
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

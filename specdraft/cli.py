@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdraft.config import arg_draft_length, arg_int_in
 from specdraft.drafters import DRAFTER_HELP
-from specdraft.runtime.errors import SpecdraftError
-from specdraft.verify.sampling import InvalidParameterError, SamplingParams
+from specdraft.errors import SpecdraftError
+from specdraft.verify.sampling import SamplingParams
 
 # ANSI colours for --show-drafts: accepted draft tokens, the target's corrections, bonus tokens.
 ORIGIN_COLOURS = {"draft": "\033[32m", "correction": "\033[31m", "bonus": "\033[34m", "target": ""}
@@ -24,16 +25,24 @@ def _build_llm(args: argparse.Namespace):
 
     if args.config:
         return LLM(args.config)
-    return LLM(model=args.model, speculative_model=args.draft, num_speculative_tokens=args.k, dtype=args.dtype,
-               max_model_len=args.max_model_len, adaptive=not args.no_adaptive)
+    return LLM(model=args.model, speculative_model=args.speculative_model,
+               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+               max_model_len=args.max_model_len, max_batch=args.max_batch, adaptive=not args.no_adaptive)
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser, default_drafter: str | None = None) -> None:
+    """The drafter and its draft length, spelled the same on every command (and in the API and config)."""
+    parser.add_argument("--speculative-model", "--draft", dest="speculative_model", default=default_drafter,
+                        metavar="DRAFTER", help=DRAFTER_HELP)
+    parser.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=arg_draft_length,
+                        default=5, metavar="K", help="draft tokens per round (the maximum, when adaptive)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdraft.runtime.tokenizer import StreamDecoder
+    from specdraft.runtime.tokenizer import StreamDecoder, check_text
 
     params = _sampling_params(args)
-    if not args.prompt.strip():
-        raise SpecdraftError("empty prompt")
+    check_text(args.prompt, "prompt")
     llm = _build_llm(args)
     stream = llm.stream(args.prompt, params, chat=args.chat)
     result = None
@@ -85,22 +94,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Speculative generation with the default drafter next to plain decoding of the same prompt."""
     from specdraft.api import LLM
+    from specdraft.engine.core import Engine
 
     prompt = args.prompt
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm = LLM(model=args.model, speculative_model=args.draft, num_speculative_tokens=args.k)
+    drafter, k = args.speculative_model, args.num_speculative_tokens
+    llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k)
     messages = [{"role": "user", "content": prompt}]
     llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    print(f"model {args.model}, drafter {args.draft}, K={args.k}, greedy, {args.max_tokens} tokens\n")
+    print(f"model {args.model}, drafter {drafter}, K={k}, greedy, {args.max_tokens} tokens\n")
     print(f"prompt: {prompt}\n")
     spec = llm.chat(messages, params)[0]
-    llm.engine.drafter, saved = None, llm.engine.drafter
-    plain = llm.chat(messages, params)[0]
-    llm.engine.drafter = saved
+    plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)
+    plain = plain_engine.generate(spec.prompt_token_ids, params)
     print(spec.text.strip(), "\n")
-    print(f"speculative ({args.draft}): {spec.metrics.summary()}")
+    print(f"speculative ({drafter}): {spec.metrics.summary()}")
     print(f"plain decoding:           {plain.metrics.summary()}")
-    same = spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    same = spec.outputs[0].token_ids == plain.token_ids
     speedup = plain.metrics.total_time / spec.metrics.total_time
     print(f"identical output: {'yes' if same else 'NO'}; speedup {speedup:.2f}x")
     return 0 if same else 1
@@ -113,11 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text, streaming it")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="smollm2-135m", help="catalog name, HF directory or .gguf file")
-    gen.add_argument("--draft", default=None, help=DRAFTER_HELP)
-    gen.add_argument("-k", type=int, default=5, help="draft tokens per round (max, when adaptive)")
-    gen.add_argument("--config", help="JSON config file (replaces --model/--draft/-k)")
+    add_speculation_arguments(gen)
+    gen.add_argument("--config", help="JSON config file (replaces the model and speculation options)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=arg_int_in(1), default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    gen.add_argument("--max-model-len", type=int, default=4096)
+    gen.add_argument("--max-model-len", type=arg_int_in(2), default=4096)
+    gen.add_argument("--max-batch", type=arg_int_in(1, 256), default=1, help="requests in flight at once")
     gen.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     gen.add_argument("--show-drafts", action="store_true",
                      help="colour tokens: green accepted draft, red target correction, blue bonus")
@@ -140,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="speculative vs plain decoding on one prompt")
     demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--draft", default="ngram")
-    demo.add_argument("-k", type=int, default=5)
-    demo.add_argument("--max-tokens", type=int, default=128)
+    add_speculation_arguments(demo, default_drafter="ngram")
+    demo.add_argument("--max-tokens", type=arg_int_in(1), default=128)
     demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     demo.set_defaults(func=cmd_demo)
 
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (SpecdraftError, InvalidParameterError) as exc:
+    except SpecdraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,10 @@
-"""The JSON config accepted everywhere a model is: `{"model": ..., "draft_model": ..., "speculation_length": 5}`.
+"""The JSON config accepted everywhere a model is:
+`{"model": ..., "speculative_model": "ngram", "num_speculative_tokens": 5}`.
 
-Extra keys configure the drafter and the engine; unknown keys are an error, so a typo never silently falls
-back to a default.
+One name per concept, the same in the API, the config and the CLI (`--speculative-model`,
+`--num-speculative-tokens`, `--max-batch`): vLLM's names where vLLM has one. Earlier spellings are still
+accepted (`draft_model`, `speculation_length`; `--draft`, `-k` on the command line). Unknown keys are an
+error, so a typo never silently falls back to a default; every error names the key as the user wrote it.
 """
 
 from __future__ import annotations
@@ -11,42 +14,75 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.engine.core import MAX_DRAFT_TOKENS
+from specdraft.errors import InvalidParameterError, SpecdraftError
+
+# Earlier spellings -> the one name.
+ALIASES = {"draft_model": "speculative_model", "speculation_length": "num_speculative_tokens"}
 
 
 @dataclass
 class SpecConfig:
     model: str
-    draft_model: str | None = None
-    speculation_length: int = 5
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 5
     dtype: str = "bf16"
     device: str | None = None
     max_model_len: int = 4096
+    max_batch: int = 1
     adaptive: bool = True
     min_acceptance: float = 0.4
     drafter_options: dict[str, Any] = field(default_factory=dict)
+    # How the user spelled each key (for error messages); not a config key itself.
+    spelled: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise SpecdraftError("config: 'model' must be a non-empty string")
-        if not isinstance(self.speculation_length, int) or not 0 <= self.speculation_length <= 64:
-            raise SpecdraftError("config: 'speculation_length' must be an integer in [0, 64]")
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
-            raise SpecdraftError("config: 'max_model_len' must be an integer >= 2")
-        if not isinstance(self.drafter_options, dict):
-            raise SpecdraftError("config: 'drafter_options' must be an object")
+        def name(key: str) -> str:
+            return self.spelled.get(key, key)
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        checks = [
+            (isinstance(self.model, str) and bool(self.model.strip()), "model", "must be a non-empty string"),
+            (self.speculative_model is None or isinstance(self.speculative_model, str), "speculative_model",
+             "must be a drafter spec string or null"),
+            (is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS,
+             "num_speculative_tokens", f"must be an integer in [0, {MAX_DRAFT_TOKENS}]"),
+            (self.dtype in ("bf16", "fp32", "fp16", "bfloat16", "float32", "float16"), "dtype",
+             "must be one of bf16, fp32, fp16"),
+            (self.device is None or isinstance(self.device, str), "device", "must be a string such as 'cpu'"),
+            (is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "must be an integer >= 2"),
+            (is_int(self.max_batch) and 1 <= self.max_batch <= 256, "max_batch", "must be an integer in [1, 256]"),
+            (isinstance(self.adaptive, bool), "adaptive", "must be true or false"),
+            (isinstance(self.min_acceptance, (int, float)) and not isinstance(self.min_acceptance, bool)
+             and 0.0 <= self.min_acceptance < 1.0, "min_acceptance", "must be a number in [0, 1)"),
+            (isinstance(self.drafter_options, dict), "drafter_options", "must be an object"),
+        ]
+        for ok, key, rule in checks:
+            if not ok:
+                raise InvalidParameterError(f"{name(key)} {rule}, got {getattr(self, key)!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpecConfig:
         if not isinstance(raw, dict):
             raise SpecdraftError("config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+        known = {f.name for f in fields(cls)} - {"spelled"}
+        unknown = sorted(set(raw) - known - set(ALIASES))
         if unknown:
             raise SpecdraftError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
-        if "model" not in raw:
+        values: dict[str, Any] = {}
+        spelled: dict[str, str] = {}
+        for key, value in raw.items():
+            canonical = ALIASES.get(key, key)
+            if canonical in values:
+                raise SpecdraftError(f"config gives {canonical!r} twice ({spelled[canonical]!r} and {key!r})")
+            values[canonical], spelled[canonical] = value, f"config: {key!r}"
+        if "model" not in values:
             raise SpecdraftError("config needs a 'model' key")
-        return cls(**raw)
+        for key in known - set(spelled):
+            spelled[key] = f"config: {key!r}"
+        return cls(**values, spelled=spelled)
 
     @classmethod
     def load(cls, source: str | Path | dict[str, Any]) -> SpecConfig:
@@ -65,3 +101,27 @@ class SpecConfig:
 def is_config_ref(ref: str) -> bool:
     """A model argument that names a JSON config rather than a model."""
     return isinstance(ref, str) and ref.endswith(".json") and Path(ref).is_file()
+
+
+# ---- argparse types: a bad value is reported with the flag the user typed ----------------------------------
+
+
+def arg_int_in(low: int, high: int | None = None):
+    """An argparse type for an integer in [low, high] (no upper bound when high is None)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def arg_draft_length(text: str) -> int:
+    return arg_int_in(0, MAX_DRAFT_TOKENS)(text)

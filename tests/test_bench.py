@@ -49,7 +49,8 @@ from specdraft.bench.suite import (
     select_per_group,
     spread,
 )
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.sampling import SamplingParams
 
 # ----------------------------------------------------------------------------------------- report math
@@ -199,6 +200,7 @@ def test_bundled_mini_suite_covers_the_six_groups():
 
 class FakeTokenizer:
     eos_token_ids = frozenset({0})
+    prompt_ids = Tokenizer.prompt_ids  # the real prompt building over the fake encoding below
 
     def __init__(self, chat: bool) -> None:
         self.has_chat_template = chat
@@ -718,12 +720,12 @@ def test_cli_registers_both_commands():
     parser = argparse.ArgumentParser()
     add_bench_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench"])
-    assert (args.max_tokens, args.temperature, args.k, args.repeats) == (128, 0.0, 5, 1)
+    assert (args.max_tokens, args.temperature, args.num_speculative_tokens, args.repeats) == (128, 0.0, 5, 1)
     assert args.out == "bench-out"
     assert args.suite is None and args.per_category is None and not args.no_adaptive
     args = parser.parse_args(["bench", "--methods", "plain,ngram", "--peers", "hf", "--per-category", "2",
                               "--no-adaptive", "-k", "3"])
-    assert (args.methods, args.peers, args.per_category, args.no_adaptive, args.k) == (
+    assert (args.methods, args.peers, args.per_category, args.no_adaptive, args.num_speculative_tokens) == (
         "plain,ngram", "hf", 2, True, 3)
     args = parser.parse_args(["bench-runtime", "--prompts", "3", "--no-hf"])
     assert (args.prompts, args.no_hf, args.max_tokens, args.model) == (3, True, 128, "smollm2-135m")

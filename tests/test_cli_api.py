@@ -15,14 +15,59 @@ from specdraft.config import SpecConfig
     (["generate", "hi", "--model", "/no/such/model"], "not found"),
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
-    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--draft", "quant:int3"], "int4 or int8"),
+    (["generate", "hi", "--speculative-model", "quant:int3"], "int4 or int8"),
+    (["generate", "\udcff\udcfe bad"], "prompt is not valid UTF-8 text (byte 0xff at character 0)"),
 ])
 def test_cli_reports_user_errors_without_a_traceback(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "hi", "-k", "-3"], "argument --num-speculative-tokens/-k: must be an integer in [0, 64], got -3"),
+    (["generate", "hi", "--num-speculative-tokens", "x"], "expected an integer, got 'x'"),
+    (["generate", "hi", "--max-batch", "0"], "argument --max-batch: must be an integer in [1, 256], got 0"),
+    (["generate", "hi", "--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got -5"),
+    (["demo", "-k", "99"], "must be an integer in [0, 64], got 99"),
+    (["bench", "-k", "-1"], "must be an integer in [0, 64], got -1"),
+])
+def test_cli_names_the_flag_the_user_typed(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "speculation_length" not in err and "Traceback" not in err
+
+
+def test_one_name_per_concept_with_the_old_spellings_accepted():
+    new = SpecConfig.from_dict({"model": "m", "speculative_model": "ngram", "num_speculative_tokens": 3})
+    old = SpecConfig.from_dict({"model": "m", "draft_model": "ngram", "speculation_length": 3})
+    assert (new.speculative_model, new.num_speculative_tokens) == (old.speculative_model, old.num_speculative_tokens)
+    with pytest.raises(SpecdraftError, match="twice"):
+        SpecConfig.from_dict({"model": "m", "draft_model": "ngram", "speculative_model": "ngram"})
+    # The error names the key as the user wrote it.
+    with pytest.raises(InvalidParameterError, match="config: 'speculation_length' must be an integer in"):
+        SpecConfig.from_dict({"model": "m", "speculation_length": -3})
+    with pytest.raises(InvalidParameterError, match="^num_speculative_tokens must be an integer in"):
+        SpecConfig(model="m", num_speculative_tokens=-3)
+    with pytest.raises(InvalidParameterError, match="max_batch"):
+        SpecConfig(model="m", max_batch=0)
+    assert issubclass(InvalidParameterError, SpecdraftError)
+
+
+def test_prompts_that_are_not_valid_text_get_a_clear_error():
+    from specdraft.runtime.tokenizer import check_text
+
+    with pytest.raises(SpecdraftError, match="byte 0xff at character 3"):
+        check_text("ok \udcff", "prompt")
+    with pytest.raises(SpecdraftError, match="lone surrogate U\\+D800"):
+        check_text("\ud800", "prompt")
+    with pytest.raises(SpecdraftError, match="empty prompt"):
+        check_text(" \n", "prompt")
+    check_text("naïve ✓", "prompt")
 
 
 def test_config_rejects_unknown_keys(tmp_path, capsys):
@@ -59,6 +104,10 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     assert streamed == out.text
     with pytest.raises(SpecdraftError, match="empty prompt"):
         llm.generate("", params)
+    with pytest.raises(SpecdraftError, match="not valid UTF-8"):
+        llm.chat([{"role": "user", "content": "\udcff"}], params)
+    with pytest.raises(SpecdraftError, match="not valid UTF-8"):
+        llm.generate("bad \udcfe", params)
     with pytest.raises(ContextOverflowError):
         llm.generate("word " * 300, params)
     with pytest.raises(ContextOverflowError):  # a bad request in a batch: nothing of the batch runs

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specdraft.runtime import ModelConfig, Transformer, cpu_kernels
+from specdraft.runtime.fused import ThreadGovernor
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: kernels not built")
 FAMILIES = ["llama", "qwen", "gemma3"]
@@ -86,10 +87,10 @@ def test_models_take_the_kernel_path(family):
     """The tiny configs must be ones the kernels accept, or the tests below would compare PyTorch to itself."""
     model = kernel_model(family)
     cache = model.new_cache(64)
-    assert model._kernels_apply(1, cache) and model._kernels_apply(32, cache)
-    assert not model._kernels_apply(33, cache)
+    assert model.fused.applies(model, 1, cache) and model.fused.applies(model, 32, cache)
+    assert not model.fused.applies(model, 33, cache)
     with cpu_kernels.disabled():
-        assert not model._kernels_apply(1, cache)
+        assert not model.fused.applies(model, 1, cache)
 
 
 def fp32_copy(model: Transformer) -> Transformer:
@@ -111,18 +112,36 @@ def test_fused_forward_as_accurate_as_pytorch_ops(family):
 
     def run(m, **kwargs):
         cache = prefilled(m, prompt)
-        return m(block, cache, return_hidden=True, **kwargs)
+        return m(block, cache, return_hidden=True, capture_layers=(0,), **kwargs)
 
     for kwargs in ({}, {"exit_layer": 1}):
-        fused, fused_hidden = run(model, **kwargs)
+        fused, fused_hidden, fused_captured = run(model, **kwargs)
         with cpu_kernels.disabled():
-            plain, plain_hidden = run(model, **kwargs)
-        reference, reference_hidden = run(reference_model, **kwargs)
+            plain, plain_hidden, plain_captured = run(model, **kwargs)
+        reference, reference_hidden, reference_captured = run(reference_model, **kwargs)
         fused_err = (fused.float() - reference).abs().max().item()
         plain_err = (plain.float() - reference).abs().max().item()
         assert fused_err <= 1.5 * plain_err + 1e-3, (kwargs, fused_err, plain_err)
-        hidden_err = (fused_hidden.float() - reference_hidden).abs().max().item()
-        assert hidden_err <= 1.5 * (plain_hidden.float() - reference_hidden).abs().max().item() + 1e-3
+        for got, torch_path, want in ((fused_hidden, plain_hidden, reference_hidden),
+                                      (fused_captured, plain_captured, reference_captured)):
+            assert got.shape == want.shape
+            err = (got.float() - want).abs().max().item()
+            assert err <= 1.5 * (torch_path.float() - want).abs().max().item() + 1e-3
+
+
+@needs_kernels
+def test_captured_hidden_states_do_not_depend_on_the_block():
+    """What a feature-level drafter reads must be the same whether the token was decoded alone or verified in a
+    block: the captured residual stream is row-invariant like the logits."""
+    model = kernel_model("llama")
+    prompt, block = ids(20, 1), ids(5, 2)
+    cache = prefilled(model, prompt)
+    together = model(block, cache, capture_layers=(0, 1)).captured
+    cache = prefilled(model, prompt)
+    for t in range(block.shape[1]):
+        alone = model(block[:, t:t + 1], cache, capture_layers=(0, 1)).captured
+        assert torch.equal(alone[:, :, 0], together[:, :, t])
+        cache.commit(0, cache.length(0) + 1)
 
 
 @needs_kernels
@@ -215,7 +234,7 @@ def test_unbuildable_kernels_fall_back_with_a_warning(monkeypatch, tmp_path):
     assert "failed" in cpu_kernels.unavailable_reason()
     model = kernel_model("llama")
     cache = model.new_cache(64)
-    assert not model._kernels_apply(1, cache)
+    assert not model.fused.applies(model, 1, cache)
     logits = model(ids(5, 0), cache)
     assert torch.isfinite(logits.float()).all()
 
@@ -223,7 +242,7 @@ def test_unbuildable_kernels_fall_back_with_a_warning(monkeypatch, tmp_path):
 def test_thread_governor_picks_the_faster_mode_by_measurement():
     """Simulated timings: all threads 10 ms and one thread 16 ms on a quiet machine; then another process
     takes a core: all threads 500 ms, one thread 20 ms; then it leaves."""
-    gov = cpu_kernels.ThreadGovernor(first_probe=3, interval=4, max_interval=16)
+    gov = ThreadGovernor(first_probe=3, interval=4, max_interval=16)
     quiet, busy = {2: 0.010, 1: 0.016}, {2: 0.5, 1: 0.020}
 
     def run(times: dict, steps: int, rows: int = 1) -> list[int]:
@@ -260,12 +279,12 @@ def test_thread_count_changes_no_bit(family):
     model = kernel_model(family, seed=5)
     prompt, block = ids(30, 7), ids(5, 8)
     many = model(block, prefilled(model, prompt))
-    model.thread_governor.single = True
+    model.fused.governor.single = True
     try:
-        assert model.thread_governor.threads(torch.get_num_threads()) == 1
+        assert model.fused.governor.threads(torch.get_num_threads()) == 1
         one = model(block, prefilled(model, prompt))
     finally:
-        model.thread_governor.single = False
+        model.fused.governor.single = False
     assert torch.equal(many, one)
 
 
@@ -299,7 +318,7 @@ def test_int8_draft_runs_in_the_kernels(family):
         pytest.skip("torch lacks the int8 weight-only kernel")
     draft = quantized_copy(kernel_model(family), 8)
     cache = draft.new_cache(64)
-    assert draft._kernels_apply(1, cache)
+    assert draft.fused.applies(draft, 1, cache)
     reference_model = fp32_copy(kernel_model(family))
     for layer, ref_layer in zip(draft.layers, reference_model.layers):  # the int8 weights, dequantized
         for name in ("wqkv", "wo"):

@@ -9,15 +9,15 @@ import torch
 from scipy import stats
 from tiny_models import ToyTokenizer, tiny_model
 
-from specdraft.drafters.base import Proposal
+from specdraft.drafters.base import DraftRequest, Proposal
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.drafters.quant import make_quant_drafter
 from specdraft.drafters.self_draft import make_self_drafter
-from specdraft.engine import generate as engine_module
 from specdraft.engine.adaptive import AdaptiveConfig
-from specdraft.engine.generate import BONUS, CORRECTION, DRAFT, SpeculativeEngine
-from specdraft.runtime.errors import ContextOverflowError, SpecdraftError
+from specdraft.engine.core import BONUS, CORRECTION, DRAFT, Engine
+from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.verify import batch as verify_batch_module
 from specdraft.verify.sampling import SamplingParams
 
 VOCAB = 16
@@ -34,8 +34,8 @@ def draft():
     return tiny_model(seed=1, vocab=VOCAB)
 
 
-def engine(model, drafter=None, k=4, adaptive=FIXED, eos=None, max_len=256):
-    return SpeculativeEngine(model, ToyTokenizer(VOCAB, eos), drafter, k, adaptive, max_model_len=max_len)
+def engine(model, drafter=None, k=4, adaptive=FIXED, eos=None, max_len=256, max_batch=1):
+    return Engine(model, ToyTokenizer(VOCAB, eos), drafter, k, adaptive, max_model_len=max_len, max_batch=max_batch)
 
 
 def prompts(n=6, seed=0):
@@ -48,27 +48,35 @@ class OracleDrafter:
     """Proposes a known continuation (the plain greedy output): always right."""
 
     name = "oracle"
+    hidden_layers = ()
 
     def __init__(self, prompt_len: int, continuation: list[int], wrong: bool = False) -> None:
         self.prompt_len, self.continuation, self.wrong = prompt_len, continuation, wrong
+        self.observed: list = []
 
-    def start(self, prompt_ids, params, generator, target_cache=None) -> None:
+    def add_request(self, request: DraftRequest) -> None:
         pass
 
-    def propose(self, context, max_k) -> Proposal:
-        done = len(context) - self.prompt_len
-        tokens = self.continuation[done:done + max_k]
-        if self.wrong:
-            tokens = [(t + 1) % VOCAB for t in tokens]
-        return Proposal(tokens)
+    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+        proposals = []
+        for context, max_k in zip(contexts, max_ks):
+            done = len(context) - self.prompt_len
+            tokens = self.continuation[done:done + max_k]
+            if self.wrong:
+                tokens = [(t + 1) % VOCAB for t in tokens]
+            proposals.append(Proposal(tokens))
+        return proposals
 
-    def accepted(self, num_accepted, context) -> None:
+    def observe(self, request_id, verified) -> None:
+        self.observed.append(verified)
+
+    def remove_request(self, request_id) -> None:
         pass
 
 
 class SilentDrafter(OracleDrafter):
-    def propose(self, context, max_k) -> Proposal:
-        return Proposal([])
+    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+        return [Proposal([]) for _ in request_ids]
 
 
 def make_drafters(target, draft):
@@ -137,7 +145,8 @@ def test_eos_inside_accepted_block(target):
     for drafter in (None, OracleDrafter(3, plain.token_ids)):
         result = engine(target, drafter, k=5, eos=eos).generate(ids, SamplingParams(temperature=0, max_tokens=30))
         assert result.token_ids == expected and result.finish_reason == "stop"
-        assert chr(97 + eos) not in result.text[-1:] or len(result.text) == first
+        # The toy tokenizer writes token i as chr(97 + i) and EOS as nothing: the text stops at EOS.
+        assert result.text == "".join(chr(97 + t) for t in expected[:first])
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
@@ -198,6 +207,7 @@ def test_seed_reproducible(target, draft):
 # ---------------------------------------------------------------- distribution (speculative sampling)
 
 NUM_SAMPLES = 20_000
+BATCH = 64  # requests per engine step: the samples are independent requests, batched for speed
 PROMPT = [3, 7, 1]
 
 
@@ -213,15 +223,16 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
     return (first[:, None] * second).flatten()
 
 
-def sample_joint(eng: SpeculativeEngine, params: SamplingParams, n: int) -> torch.Tensor:
+def sample_joint(eng: Engine, params: SamplingParams, n: int) -> torch.Tensor:
+    """n independent seeded requests, run `eng.max_batch` at a time through the batched engine."""
     counts = torch.zeros(VOCAB * VOCAB)
     generator = torch.Generator().manual_seed(1234)
-    for _ in range(n):
-        seeded = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                min_p=params.min_p, max_tokens=3, seed=int(torch.randint(0, 2**62, (1,),
-                                                                                       generator=generator)))
-        # max_tokens 3: the round after prefill drafts one token, so token 2 passes through verification.
-        first, second = eng.generate(PROMPT, seeded).token_ids[:2]
+    seeds = torch.randint(0, 2**62, (n,), generator=generator).tolist()
+    # max_tokens 3: the round after prefill drafts one token, so token 2 passes through verification.
+    requests = [SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               min_p=params.min_p, max_tokens=3, seed=seed) for seed in seeds]
+    for result in eng.generate_many([PROMPT] * n, requests):
+        first, second = result.token_ids[:2]
         counts[first * VOCAB + second] += 1
     return counts
 
@@ -260,7 +271,7 @@ def small_pair():
 def test_speculative_sampling_matches_target_distribution(small_pair, setting):
     target, draft = small_pair
     params = SETTINGS[setting]
-    spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
+    spec = engine(target, ModelDrafter(draft, max_len=64, max_batch=BATCH), k=1, max_len=64, max_batch=BATCH)
     counts = sample_joint(spec, params, NUM_SAMPLES)
     ok, p_value, tv = matches(counts, exact_joint(target, params))
     assert spec.totals.drafted == NUM_SAMPLES and 0 < spec.totals.accepted < NUM_SAMPLES
@@ -288,9 +299,9 @@ def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=No
 def test_distribution_test_catches_a_broken_verifier(small_pair, monkeypatch):
     """The same check, on a planted bug; a quarter of the samples already rejects it by a wide margin."""
     target, draft = small_pair
-    monkeypatch.setattr(engine_module, "rejection_verify", broken_residual_verify)
+    monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_residual_verify)
     params = SETTINGS["temperature 1"]
-    spec = engine(target, ModelDrafter(draft, max_len=64), k=1, max_len=64)
+    spec = engine(target, ModelDrafter(draft, max_len=64, max_batch=BATCH), k=1, max_len=64, max_batch=BATCH)
     ok, p_value, tv = matches(sample_joint(spec, params, NUM_SAMPLES // 4), exact_joint(target, params))
     assert not ok and p_value < 1e-6, f"broken verifier not caught (p={p_value:.2e}, TV={tv:.4f})"
 
@@ -375,20 +386,18 @@ def test_shared_cache_draft_copies_what_it_missed(target):
     proposals = []
     for share in (True, False):
         drafter = ModelDrafter(target, exit_layer=1, max_len=64, share_prompt_cache=share)
-        prefill = target.new_cache(64)
-        target(torch.tensor([prompt]), prefill)
-        prefill.commit(0, len(prompt))
-        drafter.start(prompt, SamplingParams(temperature=0), None, target_cache=cache if share else prefill)
+        drafter.add_request(DraftRequest(0, prompt, SamplingParams(temperature=0), None, target_cache=cache))
         calls = []
         original = drafter.model.forward
         drafter.model.forward = lambda x, *a, calls=calls, original=original, **k: (
             calls.append(x.shape[1]) or original(x, *a, **k))
-        proposals.append(drafter.propose(context, 3).tokens)
+        proposals.append(drafter.propose([0], [context], [3])[0].tokens)
         drafter.model.forward = original
         if share:
             assert calls == [1, 1, 1]  # the 11 missed tokens were copied, only the newest one is fed
             layer0 = slice(len(prompt), len(context) - 1)
             assert torch.equal(drafter.cache.k[0][0, :, layer0], cache.k[0][0, :, layer0])
         else:
-            assert calls[0] == len(context) - len(prompt)
+            # A draft of its own runs its prompt at the first proposal, with the missed tokens, then the newest.
+            assert calls[:2] == [len(context) - 1, 1]
     assert proposals[0] == proposals[1]

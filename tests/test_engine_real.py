@@ -7,21 +7,17 @@ in practice no divergence is expected; any that happens is printed with its gap.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from specdraft.drafters import make_drafter
 from specdraft.engine.adaptive import AdaptiveConfig
-from specdraft.engine.generate import SpeculativeEngine
+from specdraft.engine.core import Engine, build_engine
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
 BF16_TIE = 0.25  # bf16 logits near 20 are spaced 0.125 apart: a gap this small is a rounding-level tie
 MAX_TOKENS = 40
 
@@ -31,18 +27,13 @@ DRAFTERS = {
 }
 
 
-def dev_prompts(n: int) -> list[str]:
-    if not DEV.exists():
-        pytest.skip(f"dev suite not found at {DEV}")
-    rows = [json.loads(line) for line in DEV.read_text().splitlines() if line.strip()]
+def spread(rows: list[dict], n: int) -> list[str]:
     step = len(rows) // n
     return [rows[i * step]["turns"][0] for i in range(n)]
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    if tokenizer.has_chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return tokenizer.encode(text)[:200]
+    return tokenizer.prompt_ids(text, chat=tokenizer.has_chat_template)[:200]
 
 
 def first_divergence_gap(model, prompt_ids, expected, got) -> tuple[int, float]:
@@ -55,17 +46,18 @@ def first_divergence_gap(model, prompt_ids, expected, got) -> tuple[int, float]:
 
 @pytest.mark.parametrize("model_name", list(DRAFTERS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_every_drafter_matches_plain_greedy(model_name, dtype):
+def test_every_drafter_matches_plain_greedy(model_name, dtype, dev_prompts):
     target = load_model(model_name, dtype=dtype, progress=False)
     tokenizer = load_tokenizer(model_name, progress=False)
-    plain = SpeculativeEngine(target, tokenizer, None, 0)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    prompts = [encode(tokenizer, text) for text in dev_prompts(3)]
+    plain = Engine(target, tokenizer, None, 0)
+    # fp32 runs the PyTorch ops (3x slower than the bf16 kernels): fewer prompts and tokens keep the suite short.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS if dtype == "bf16" else 32)
+    prompts = [encode(tokenizer, text) for text in spread(dev_prompts, 3 if dtype == "bf16" else 2)]
     expected = [plain.generate(ids, params).token_ids for ids in prompts]
     report = []
     for spec in DRAFTERS[model_name]:
         drafter = make_drafter(spec, target, tokenizer, max_len=1024, dtype=dtype)
-        engine = SpeculativeEngine(target, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024)
+        engine = Engine(target, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024)
         for ids, want in zip(prompts, expected):
             got = engine.generate(ids, params).token_ids
             if got == want:
@@ -83,9 +75,29 @@ def test_every_drafter_matches_plain_greedy(model_name, dtype):
 
 
 def test_mismatched_draft_tokenizer_is_refused():
-    from specdraft.runtime.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError
 
     target = load_model("smollm2-135m", progress=False)
     tokenizer = load_tokenizer("smollm2-135m", progress=False)
     with pytest.raises(SpecdraftError, match="tokenizers do not match"):
         make_drafter("draft:gemma3-270m", target, tokenizer)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_a_request_decodes_the_same_alone_and_beside_seven_others(drafter, dev_prompts):
+    """bf16 on the fused kernels: a token's logits do not depend on the batch it is verified in, so eight
+    requests advanced together by `Engine.step` give each the tokens it gets alone, exactly. Four prompts
+    are long (prefilled alone), four short ones of equal length share one prefill."""
+    target = load_model("smollm2-135m", dtype="bf16", progress=False)
+    tokenizer = load_tokenizer("smollm2-135m", progress=False)
+    texts = spread(dev_prompts, 4)
+    prompts = [encode(tokenizer, text) for text in texts]
+    prompts += [tokenizer.prompt_ids(text)[:12] for text in texts]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    alone = build_engine(target, tokenizer, drafter, 4, adaptive=False)
+    together = build_engine(target, tokenizer, drafter, 4, adaptive=False, max_batch=8)
+    expected = [alone.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
+    got = [r.token_ids for r in together.generate_many(prompts, params)]
+    assert got == expected
+    if drafter:
+        assert together.totals.accepted > 0

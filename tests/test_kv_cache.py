@@ -14,8 +14,8 @@ import contextlib
 import pytest
 import torch
 
+from specdraft.errors import ContextOverflowError
 from specdraft.runtime import ModelConfig, Transformer, cpu_kernels
-from specdraft.runtime.errors import ContextOverflowError
 from specdraft.runtime.model import apply_rope
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 64, 32, 4, 2, 8, 4
@@ -178,11 +178,6 @@ def bf16_block_vs_incremental(model, ids: list[int], prefix: int) -> tuple[torch
 # prefill, which runs the fused attention kernel and is never compared bit for bit with decoding.
 BF16_CASES = [(5, 7), (60, 8), (40, 32)]
 BF16_CASE_IDS = ["7-tokens", "8-tokens-across-key-block", "32-tokens-across-key-block"]
-ONEDNN_NOTE = (
-    "torch's CPU bf16 matmul runs its native kernel when rows*K*N <= 16**3 and oneDNN above: on these tiny "
-    "shapes a 1-token decode and a multi-token block take different kernels and now and then differ in the "
-    "last bit (real model shapes always use oneDNN: see test_bf16_block_equals_incremental_real_model)"
-)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -194,6 +189,9 @@ def test_block_equals_incremental_bf16_bit_identical(family, prefix, length):
 
     oneDNN is disabled so every matmul is torch's native kernel, which computes each row the same way
     whatever the row count: what is checked is the runtime (padding, masks, softmax, cache), not the BLAS.
+    (With oneDNN on, torch's CPU bf16 matmul runs its native kernel when rows*K*N <= 16**3 and oneDNN above,
+    so on these tiny shapes a decode and a block may take different kernels and differ in the last bit; real
+    model shapes always take one: see test_bf16_block_equals_incremental_real_model.)
     """
     with torch.backends.mkldnn.flags(enabled=False):
         for seed in range(3):
@@ -202,17 +200,6 @@ def test_block_equals_incremental_bf16_bit_identical(family, prefix, length):
             assert block.dtype == torch.bfloat16
             worst = (block.float() - one_by_one.float()).abs().max().item()
             assert torch.equal(block, one_by_one), f"seed {seed}: bf16 block vs incremental differ by {worst}"
-
-
-@pytest.mark.xfail(strict=False, reason=ONEDNN_NOTE)
-def test_block_equals_incremental_bf16_tiny_default_kernels():
-    """The same property with torch's default kernels on the tiny Llama shapes (known to fail, see the
-    reason; the tiny Gemma fails more rarely, about one seed in 30)."""
-    for seed in range(10):
-        model = tiny_model("llama", torch.bfloat16, seed=seed)
-        for length in (4, 8, 16, 32):
-            block, one_by_one = bf16_block_vs_incremental(model, seq(5 + length, 100 + seed), 5)
-            assert torch.equal(block, one_by_one), f"seed {seed}, {length} tokens"
 
 
 REAL_BLOCK_PREFIX = 50  # blocks of 16 and 32 tokens cross the 64-key boundary of the padded attention
@@ -246,9 +233,7 @@ def real_decoded(bf16_model, ops_path) -> tuple[list[int], torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "length",
-    [2, 3, 4, 8, 16, 32, pytest.param(64, marks=pytest.mark.xfail(strict=False, reason=(
-        "blocks of more than 32 rows are prefill-sized: they run PyTorch's GEMMs (oneDNN blocks them "
-        "differently from 1 row) and SDPA, not the per-row kernels: not bit-exact with decoding")))],
+    [2, 3, 4, 8, 16, 32],
 )
 def test_bf16_block_equals_incremental_real_model(model_name, bf16_model, real_decoded, ops_path, length):
     """Verification-sized blocks on the bundled models in bf16 (real shapes), through the fused kernels and
@@ -434,3 +419,22 @@ def test_context_overflow_raises(model):
     with pytest.raises(ContextOverflowError, match="slot 1"):
         model(torch.tensor([[1, 2], [3, 4]]), two, slots=[0, 1])
     assert [two.length(0), two.length(1)] == [0, max_len - 1]
+
+
+@pytest.mark.slow
+def test_prefill_sized_blocks_agree_with_decoding_up_to_bf16_rounding(model_name, bf16_model, real_decoded,
+                                                                       ops_path):
+    """Blocks of more than 32 tokens are prompts: they run PyTorch's GEMMs and SDPA, which round differently
+    from one row at a time, so they are not bit-exact with decoding (nothing compares them bit for bit). What
+    must hold: the logits agree to bf16 precision and the top-1 token only differs at near-ties."""
+    ids, decoded = real_decoded
+    cache = bf16_model.new_cache(len(ids))
+    with ops(ops_path):
+        score(bf16_model, cache, ids[:REAL_BLOCK_PREFIX])
+        block = score(bf16_model, cache, ids[REAL_BLOCK_PREFIX:REAL_BLOCK_PREFIX + REAL_BLOCK_MAX])
+    block, decoded = block.float(), decoded.float()
+    scale = decoded.abs().amax(-1, keepdim=True)
+    assert ((block - decoded).abs() / scale).max() < 0.05
+    top2 = decoded.topk(2).values
+    flipped = block.argmax(-1) != decoded.argmax(-1)
+    assert ((top2[:, 0] - top2[:, 1])[flipped] < 0.5).all()

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specdraft.errors import ModelLoadError, SpecdraftError
 from specdraft.runtime import StreamDecoder, load_model, load_tokenizer, loader, resolve
 from specdraft.runtime.config import SUPPORTED_MODEL_TYPES
-from specdraft.runtime.errors import ModelLoadError, SpecdraftError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,7 +23,6 @@ GREEDY_STEPS = 64
 NEAR_TIE = 1e-3
 BF16_AGREEMENT = 0.99  # the goal; printed, not asserted (see test_bf16_top1_agrees_with_fp32)
 BF16_TIE = 0.5  # logits: bf16 errors at the top of the distribution are ~0.1, up to ~1 over the vocabulary
-BF16_SLACK = 0.01
 GREEDY_CATEGORIES = ("writing", "coding", "translation", "qa", "math_reasoning")
 LONG_CATEGORIES = ("summarization", "rag")
 LONG_RANGE = (600, 900)  # tokens: past the 512-token window, short enough to stay quick
@@ -30,9 +31,7 @@ LONG_TAIL = 16
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
     """Instruct models get their chat template, base models (Gemma 3 270M) the plain text."""
-    if tokenizer.has_chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return tokenizer.encode(text)
+    return tokenizer.prompt_ids(text, chat=tokenizer.has_chat_template)
 
 
 def hf_logits(hf_model, ids: list[int], last: int | None = None) -> torch.Tensor:
@@ -180,7 +179,14 @@ def test_bf16_top1_agrees_with_fp32(model_name, fp32_model, bf16_model, hf_model
           f"(transformers: {agree_hf / total:.2%}); target {BF16_AGREEMENT:.0%}")
     wide = [f for f in flips if f[2] >= BF16_TIE]
     assert not wide, f"bf16 changed the top-1 token where fp32 is not a near-tie: {wide}"
-    assert agree >= agree_hf - BF16_SLACK * total
+    # How many near-ties flip depends on how the CPU rounds bf16 dot products (measured on smollm2: 13 flips
+    # on Intel Sapphire Rapids, 20 on AMD Zen 4, 13 for transformers' bf16), so no fixed margin holds on
+    # every machine. Under "we flip near-ties at transformers' rate" the two flip counts are about Poisson,
+    # and their difference over sqrt(their sum) about standard normal: 4 sigma is a 3e-5 false alarm, while
+    # a broken bf16 path (wrong rounding, fp16 overflow) flips far more, and at wide gaps too.
+    ours, theirs = total - agree, total - agree_hf
+    assert ours <= theirs + 4 * math.sqrt(ours + theirs) + 1, (
+        f"{ours} bf16 top-1 flips against transformers' {theirs} over {total} positions")
 
 
 def test_long_prompt_past_sliding_window(model_name, fp32_model, hf_model, tokenizer, dev_prompts):

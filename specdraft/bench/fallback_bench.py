@@ -16,22 +16,28 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdraft.drafters.base import Proposal
+from specdraft.config import arg_draft_length
+from specdraft.drafters.base import DraftRequest, Proposal, Verified
 
 
 class AlwaysWrongDrafter:
     name = "always-wrong"
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def start(self, prompt_ids, params, generator, target_cache=None) -> None:
+    def add_request(self, request: DraftRequest) -> None:
         pass
 
-    def propose(self, context: Sequence[int], max_k: int) -> Proposal:
-        return Proposal([self.token] * max_k)
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
+                max_ks: Sequence[int]) -> list[Proposal]:
+        return [Proposal([self.token] * k) for k in max_ks]
 
-    def accepted(self, num_accepted: int, context: Sequence[int]) -> None:
+    def observe(self, request_id: int, verified: Verified) -> None:
+        pass
+
+    def remove_request(self, request_id: int) -> None:
         pass
 
 
@@ -40,50 +46,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=arg_draft_length,
+                        default=5)
     parser.add_argument("--out", default="bench-out")
 
 
 def run_fallback_bench(args: argparse.Namespace) -> dict:
+    from specdraft.bench.interleave import interleaved
     from specdraft.bench.machine import header, header_lines
     from specdraft.bench.suite import load_suite
     from specdraft.engine.adaptive import AdaptiveConfig
-    from specdraft.engine.generate import SpeculativeEngine
+    from specdraft.engine.core import Engine
     from specdraft.runtime.loader import load_model, load_tokenizer
     from specdraft.verify.sampling import SamplingParams
 
     target = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     wrong = AlwaysWrongDrafter(target.config.vocab_size - 1)
+    k = args.num_speculative_tokens
     engines = {
-        "plain": SpeculativeEngine(target, tokenizer, None, 0),
-        "wrong+fallback": SpeculativeEngine(target, tokenizer, wrong, args.k, AdaptiveConfig()),
-        "wrong, fixed K": SpeculativeEngine(target, tokenizer, wrong, args.k, AdaptiveConfig(enabled=False)),
+        "plain": Engine(target, tokenizer, None, 0),
+        "wrong+fallback": Engine(target, tokenizer, wrong, k, AdaptiveConfig()),
+        "wrong, fixed K": Engine(target, tokenizer, wrong, k, AdaptiveConfig(enabled=False)),
     }
     suite = load_suite(None)[: args.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}])
-               if tokenizer.has_chat_template else tokenizer.encode(q.turns[0]) for q in suite]
+    prompts = [tokenizer.prompt_ids(q.turns[0], chat=tokenizer.has_chat_template) for q in suite]
     for engine in engines.values():
         engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8))
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    identical = {name: 0 for name in engines}
-    for ids in prompts:
-        reference = None
-        per_method: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(args.repeats):
-            for name, engine in engines.items():
-                t0 = time.perf_counter()
-                result = engine.generate(ids, params)
-                per_method[name].append(time.perf_counter() - t0)
-                reference = result.token_ids if name == "plain" else reference
-                identical[name] += int(result.token_ids == reference)
-        for name in engines:
-            times[name].append(statistics.median(per_method[name]))
-    total = {name: sum(ts) for name, ts in times.items()}
+    def timed(engine):
+        def run(ids, _repeat):
+            t0 = time.perf_counter()
+            tokens = engine.generate(ids, params).token_ids
+            return time.perf_counter() - t0, tokens
+        return run
+
+    raw = interleaved(prompts, {name: timed(engine) for name, engine in engines.items()}, args.repeats,
+                      "bench-fallback", label=lambda ids: f"{len(ids)}-token prompt")
+    total = {name: sum(statistics.median(t for t, _ in runs[name]) for runs in raw) for name in engines}
+    identical = {name: sum(tokens == runs["plain"][0][1] for runs in raw for _, tokens in runs[name])
+                 for name in engines}
     out = {
         "header": {**header(), "model": args.model, "dtype": "bf16"},
-        "config": {"max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats, "k": args.k},
+        "config": {"max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats, "k": k},
         "methods": {name: {"time_s": total[name], "slowdown_vs_plain": total[name] / total["plain"],
                            "identical_runs": identical[name],
                            "acceptance_rate": engines[name].totals.acceptance_rate,

@@ -276,7 +276,7 @@ class LlamaCppMethod:
 
 def parse_peers(spec: str | None) -> list[str]:
     """`hf,llamacpp` -> ['hf-bf16', 'hf-fp32', 'llamacpp']; unknown names are an error."""
-    from specdraft.runtime.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError
 
     out: list[str] = []
     for name in (s.strip() for s in (spec or "").split(",")):

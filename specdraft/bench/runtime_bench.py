@@ -186,14 +186,13 @@ def render_table(results: dict) -> str:
 
 
 def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
-    from tqdm import tqdm
-
+    from specdraft.bench.interleave import interleaved
     from specdraft.bench.machine import header as machine_header
     from specdraft.bench.machine import header_lines
     from specdraft.bench.specbench import PromptBuilder
     from specdraft.bench.suite import DEFAULT_SUITE, DEV_SUITE, load_suite, spread
-    from specdraft.engine.generate import SpeculativeEngine
-    from specdraft.runtime.errors import SpecdraftError
+    from specdraft.engine.core import Engine
+    from specdraft.errors import SpecdraftError
     from specdraft.runtime.loader import load_model, load_tokenizer, resolve
 
     if args.threads:
@@ -214,8 +213,7 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
     for dtype in ("bf16", "fp32"):
         model = load_model(args.model, dtype=dtype, device="cpu")
         ours[dtype] = model
-        max_len = min(4096, model.config.max_position_embeddings)
-        engine = SpeculativeEngine(model, tokenizer, None, 0, max_model_len=max_len)
+        engine = Engine(model, tokenizer, None, 0)
         runners[f"ours-{dtype}"] = ours_runner(engine)
         method_dtypes[f"ours-{dtype}"] = ("specdraft", dtype)
     if not args.no_hf:
@@ -247,19 +245,12 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
     prompts = [build(q.turns[:1], []) for q in questions]
     for run in runners.values():  # warm-up
         run(prompts[0], min(8, args.max_tokens))
-    total = len(prompts) * args.repeats * len(runners)
-    bar = tqdm(total=total, desc="bench-runtime", unit="gen", file=sys.stderr, disable=args.no_progress)
-    samples = []
-    for q, ids in zip(questions, prompts, strict=True):
-        raw: dict[str, list[dict]] = {name: [] for name in runners}
-        for _ in range(args.repeats):
-            for name, run in runners.items():
-                bar.set_postfix_str(f"{q.category} {name}", refresh=False)
-                raw[name].append(run(ids, args.max_tokens))
-                bar.update()
-        samples.append({"question_id": q.question_id, "category": q.category, "prompt_tokens": len(ids),
-                        "methods": {name: summarize_runs(rs) for name, rs in raw.items()}})
-    bar.close()
+    methods = {name: (lambda item, _repeat, run=run: run(item[1], args.max_tokens)) for name, run in runners.items()}
+    raw = interleaved(list(zip(questions, prompts, strict=True)), methods, args.repeats, "bench-runtime",
+                      progress=not args.no_progress, label=lambda item: item[0].category)
+    samples = [{"question_id": q.question_id, "category": q.category, "prompt_tokens": len(ids),
+                "methods": {name: summarize_runs(rs) for name, rs in runs.items()}}
+               for (q, ids), runs in zip(zip(questions, prompts), raw, strict=True)]
 
     config = {"prompts": len(prompts), "suite": str(suite), "max_tokens": args.max_tokens,
               "repeats": args.repeats, "threads": torch.get_num_threads(), "chat_template": build.chat,

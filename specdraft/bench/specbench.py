@@ -82,6 +82,7 @@ from pathlib import Path
 
 from specdraft.bench import stats
 from specdraft.bench.suite import OVERALL, Question, group_of, order_groups
+from specdraft.config import arg_draft_length
 from specdraft.verify.sampling import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -92,7 +93,7 @@ WARMUP_TOKENS = 8
 
 
 class OurMethod:
-    """One of our decoding methods: a `SpeculativeEngine` (plain = no drafter, K = 0)."""
+    """One of our decoding methods: an `Engine` (plain = no drafter, K = 0)."""
 
     kind = "ours"
     baseline = "plain"
@@ -117,7 +118,7 @@ class OurMethod:
 
 def parse_methods(spec: str) -> list[str]:
     """Comma list of methods; `plain` (the speedup baseline) is always run, first."""
-    from specdraft.runtime.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if len(set(names)) != len(names):
@@ -127,21 +128,11 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def build_our_methods(names: Sequence[str], target, tokenizer, k: int, adaptive: bool, max_len: int) -> list:
-    from specdraft.drafters import make_drafter
-    from specdraft.engine.adaptive import AdaptiveConfig
-    from specdraft.engine.generate import SpeculativeEngine
+    from specdraft.engine.core import build_engine
 
-    methods = []
-    for name in names:
-        if name == "plain":
-            engine = SpeculativeEngine(target, tokenizer, None, 0, AdaptiveConfig(enabled=False),
-                                       max_model_len=max_len)
-        else:
-            drafter = make_drafter(name, target, tokenizer, max_len=max_len)
-            engine = SpeculativeEngine(target, tokenizer, drafter, k, AdaptiveConfig(enabled=adaptive),
-                                       max_model_len=max_len)
-        methods.append(OurMethod(name, engine))
-    return methods
+    return [OurMethod(name, build_engine(target, tokenizer, None if name == "plain" else name, k,
+                                         adaptive and name != "plain", max_len))
+            for name in names]
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -162,13 +153,13 @@ class PromptBuilder:
                 messages.append({"role": "user", "content": turn})
                 if i < len(answers):
                     messages.append({"role": "assistant", "content": answers[i]})
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.prompt_ids(messages)
         parts = []
         for i, turn in enumerate(turns):
             parts.append(turn)
             if i < len(answers):
                 parts.append(answers[i])
-        return self.tokenizer.encode("\n\n".join(parts) + "\n\n")
+        return self.tokenizer.prompt_ids("\n\n".join(parts) + "\n\n")
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -230,37 +221,38 @@ def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable,
 
     Methods of peers already in `failed` are not run. A peer that breaks (`PeerFailed`) is appended to
     `failed` (re-raised when `failed` is None), is not run again, and its runs are left out of the result."""
-    from tqdm import tqdm
-
+    from specdraft.bench.interleave import interleaved
     from specdraft.bench.peers import PeerFailed
 
-    total = sum(len(q.turns) for q in questions) * repeats * len(methods)
-    bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
+    def conversation(m) -> Callable:
+        def run(q: Question, repeat: int) -> list[dict] | None:
+            """All turns of one question; each turn's prompt carries the method's own earlier answers."""
+            if failed and m.name in failed_names(failed):
+                return None
+            answers: list[str] = []
+            turns = []
+            for ti in range(len(q.turns)):
+                ids = build(q.turns[:ti + 1], answers)
+                try:
+                    result = m.run(ids, params_for(params, None if params.greedy else seed + repeat))
+                except PeerFailed as exc:
+                    _peer_failed(exc, m, methods, "run", failed)
+                    return None
+                result["prompt_ids"] = list(ids)
+                turns.append(result)
+                answers.append(result["text"].strip())
+            return turns
+
+        return run
+
+    per_question = interleaved(questions, {m.name: conversation(m) for m in methods}, repeats, "bench",
+                               progress=progress, label=lambda q: f"{q.category} #{q.question_id}")
     runs: Runs = {}
-    try:
-        for qi, q in enumerate(questions):
-            for r in range(repeats):
-                for m in methods:
-                    if failed and m.name in failed_names(failed):
-                        bar.update(len(q.turns))
-                        continue
-                    bar.set_postfix_str(f"{q.category} #{q.question_id} {m.name}", refresh=False)
-                    answers: list[str] = []
-                    for ti in range(len(q.turns)):
-                        ids = build(q.turns[:ti + 1], answers)
-                        try:
-                            run = m.run(ids, params_for(params, None if params.greedy else seed + r))
-                        except PeerFailed as exc:
-                            _peer_failed(exc, m, methods, "run", failed)
-                            bar.update(len(q.turns) - ti)
-                            break
-                        run["prompt_ids"] = list(ids)
-                        runs.setdefault((qi, ti), {}).setdefault(m.name, []).append(run)
-                        answers.append(run["text"].strip())
-                        bar.update()
-    finally:
-        bar.close()
+    for qi, by_method in enumerate(per_question):
+        for name, repeats_runs in by_method.items():
+            for turns in repeats_runs:
+                for ti, result in enumerate(turns):
+                    runs.setdefault((qi, ti), {}).setdefault(name, []).append(result)
     dropped = failed_names(failed or [])
     for by_method in runs.values():
         for name in dropped:
@@ -422,15 +414,17 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     from specdraft.bench.machine import header_lines
     from specdraft.bench.peers import load_peers, parse_peers
     from specdraft.bench.suite import load_suite, select_per_group
-    from specdraft.runtime.errors import SpecdraftError
+    from specdraft.engine.core import context_limit
+    from specdraft.errors import SpecdraftError
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise SpecdraftError("--repeats must be >= 1")
-    if args.k < 1:
-        raise SpecdraftError("-k must be >= 1")
+    k = args.num_speculative_tokens
+    if k < 1:
+        raise SpecdraftError("--num-speculative-tokens must be >= 1 for a speculative benchmark")
     method_names = parse_methods(args.methods)
     peer_names = parse_peers(args.peers)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()] if args.groups else None
@@ -449,8 +443,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
 
     target = load_model(args.model, dtype=args.dtype, progress=True)
     tokenizer = load_tokenizer(args.model)
-    max_len = min(args.max_model_len, target.config.max_position_embeddings)
-    methods = build_our_methods(method_names, target, tokenizer, args.k, not args.no_adaptive, max_len)
+    max_len = context_limit(target, args.max_model_len)
+    methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len)
     notes: list[dict] = []
     peers, skipped = load_peers(peer_names, args.model, tokenizer, max_len, notes=notes)
     methods += peers
@@ -471,7 +465,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
 
     config = {"suite": str(args.suite) if args.suite else "specbench-mini (bundled)",
               "per_category": args.per_category, "groups": groups, "methods": method_names,
-              "peers": peer_names, "k": args.k, "adaptive": not args.no_adaptive,
+              "peers": peer_names, "k": k, "adaptive": not args.no_adaptive,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
               "max_model_len": max_len, "chat_template": build.chat}
@@ -504,7 +498,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed of repeat r is seed + r (temperature > 0)")
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt; times are medians over them")
-    p.add_argument("-k", "--k", type=int, default=5, help="draft tokens per round (max, when adaptive)")
+    p.add_argument("--num-speculative-tokens", "-k", "--k", dest="num_speculative_tokens", type=arg_draft_length,
+                   default=5, help="draft tokens per round (the maximum, when adaptive)")
     p.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--max-model-len", type=int, default=4096)

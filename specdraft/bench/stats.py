@@ -14,16 +14,18 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
+from specdraft.engine.metrics import (  # noqa: F401  (the acceptance math is the engine's; re-exported here)
+    acceptance_rate,
+    add_positions,
+    mean_accepted_length,
+    per_position_rates,
+    ratio,
+)
+
 
 def median(values: Iterable[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    if num is None or den is None or den <= 0:
-        return None
-    return num / den
 
 
 def throughput(tokens: float, seconds: float) -> float | None:
@@ -32,34 +34,6 @@ def throughput(tokens: float, seconds: float) -> float | None:
 
 def speedup(tokens_per_s: float | None, base_tokens_per_s: float | None) -> float | None:
     return ratio(tokens_per_s, base_tokens_per_s)
-
-
-def mean_accepted_length(produced_tokens: int, target_forwards: int) -> float | None:
-    return ratio(produced_tokens, target_forwards)
-
-
-def acceptance_rate(accepted: int, drafted: int) -> float | None:
-    return ratio(accepted, drafted)
-
-
-def add_positions(lists: Iterable[Sequence[int] | None]) -> list[int]:
-    """Element-wise sum of per-position counts of different lengths (missing positions count 0)."""
-    out: list[int] = []
-    for xs in lists:
-        if not xs:
-            continue
-        if len(xs) > len(out):
-            out.extend([0] * (len(xs) - len(out)))
-        for i, x in enumerate(xs):
-            out[i] += x
-    return out
-
-
-def per_position_rates(accepted_per_position: Sequence[int],
-                       drafted_per_position: Sequence[int]) -> list[float]:
-    """accepted / drafted at each draft position (0.0 where nothing was drafted)."""
-    accepted = list(accepted_per_position) + [0] * (len(drafted_per_position) - len(accepted_per_position))
-    return [a / d if d else 0.0 for a, d in zip(accepted, drafted_per_position, strict=False)]
 
 
 # Counters a sample carries when the method reports them (ours); peers leave them None.

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.errors import SpecdraftError
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                        "humanities")

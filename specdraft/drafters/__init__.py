@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdraft.drafters.base import Drafter, Proposal
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
@@ -13,8 +13,9 @@ DRAFTER_HELP = "ngram | quant:int4 | quant:int8 | self:N | draft:MODEL_REF | MOD
 
 
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
-                 options: dict[str, Any] | None = None, dtype: str | None = None) -> Drafter:
-    """Build a drafter from its spec string (`ngram`, `quant:int4`, `self:8`, `draft:REF` or a model ref).
+                 options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
+    """Build a drafter from its spec string (`ngram`, `quant:int4`, `self:8`, `draft:REF` or a model ref) for
+    up to `max_batch` concurrent requests.
 
     options: drafter-specific keyword options (ngram: max_n, min_n; model drafters: min_confidence;
     quant: group_size). Unknown options are an error.
@@ -47,11 +48,13 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
         bits = {"int4": 4, "int8": 8, "4": 4, "8": 8}.get(arg)
         if bits is None:
             raise SpecdraftError(f"quant drafter takes int4 or int8, got {spec!r}")
-        return make_quant_drafter(target, bits, max_len=max_len, **take({"min_confidence", "group_size"}))
+        return make_quant_drafter(target, bits, max_len=max_len, max_batch=max_batch,
+                                  **take({"min_confidence", "group_size"}))
     if kind == "self":
         from specdraft.drafters.self_draft import make_self_drafter
 
-        return make_self_drafter(target, _int_arg(spec, arg), max_len=max_len, **take({"min_confidence"}))
+        return make_self_drafter(target, _int_arg(spec, arg), max_len=max_len, max_batch=max_batch,
+                                 **take({"min_confidence"}))
     ref = arg if kind == "draft" else spec
     from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
     from specdraft.runtime.loader import load_model, load_tokenizer
@@ -59,7 +62,7 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     draft_tokenizer = load_tokenizer(ref)
     check_tokenizers_match(target_tokenizer, draft_tokenizer)
     model = load_model(ref, dtype=dtype or target.dtype, device=target.device)
-    return ModelDrafter(model, name=f"draft:{ref}", max_len=max_len, **take({"min_confidence"}))
+    return ModelDrafter(model, name=f"draft:{ref}", max_len=max_len, max_batch=max_batch, **take({"min_confidence"}))
 
 
 def _int_arg(spec: str, arg: str) -> int:
@@ -69,4 +72,4 @@ def _int_arg(spec: str, arg: str) -> int:
         raise SpecdraftError(f"bad drafter spec {spec!r}: expected an integer after ':'") from None
 
 
-__all__ = ["DRAFTER_HELP", "Drafter", "Proposal", "make_drafter"]
+__all__ = ["DRAFTER_HELP", "ROOT", "DraftRequest", "Drafter", "Proposal", "Verified", "make_drafter"]

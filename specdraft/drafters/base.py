@@ -1,14 +1,21 @@
-"""The one small interface every drafter implements.
+"""The one small interface every drafter implements, keyed by request so one drafter serves many at once.
 
-The engine calls, per request: `start` once, then repeatedly `propose` -> (target verifies) -> `accepted`.
-`context` is always the full committed token sequence (prompt + emitted output); it only ever grows, so a
-drafter can keep incremental state (an n-gram index, a KV cache) and look only at the new tail.
+The engine calls, per request: `add_request` once (after the target's prefill), then repeatedly
+`propose` -> (the target verifies, in one batched forward with the other requests) -> `observe`, and
+`remove_request` when the request ends. `propose` takes every request of the round at once, so a model
+drafter runs one forward per draft step for all of them. Per-request state (an n-gram index, a KV-cache
+slot, the sampling generator) lives in the drafter under the request id, never in a drafter-wide field.
+
+`observe` hands the drafter what the target computed, at no extra forward: the tokens it scored, their
+positions, the accepted path, and, for the layers the drafter names in `hidden_layers`, the target's hidden
+states (EAGLE-3 reads three layers, EAGLE-1 and Medusa the last). Drafters that name none cost plain
+decoding nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -16,10 +23,14 @@ import torch
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.verify.sampling import SamplingParams
 
+# Parent index of a node that hangs directly after the last committed token.
+ROOT = -1
+
 
 @dataclass
 class Proposal:
-    """Up to K draft tokens.
+    """Draft tokens, each with the index of its parent node (ROOT for the first); a chain is
+    `parents == [ROOT, 0, 1, ...]`, the only shape the engine verifies today (trees come next).
 
     `draft_probs` is [len(tokens), vocab] fp32: the exact distribution each token was sampled from (made by
     `logits_to_probs` with the request's params). `None` means the drafter is deterministic (each token is a
@@ -28,24 +39,86 @@ class Proposal:
 
     tokens: list[int]
     draft_probs: torch.Tensor | None = None
+    parents: list[int] | None = None  # None: a chain
+
+    def __post_init__(self) -> None:
+        if self.parents is None:
+            self.parents = [ROOT] + list(range(len(self.tokens) - 1)) if self.tokens else []
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} draft tokens but {len(self.parents)} parent indices")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
+            raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.tokens)} tokens")
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def truncated(self, k: int) -> Proposal:
+        """The first k tokens of a chain."""
+        if k >= len(self.tokens):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:k]
+        return Proposal(self.tokens[:k], probs, self.parents[:k])
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter learns about a new request: its prompt, how it samples, and the target's work on it.
+
+    target_cache/target_slot: where the target keeps the prompt's keys and values (drafters derived from the
+    target's own weights copy them instead of running a prefill of their own). prompt_hidden: the target's
+    hidden states over the prompt for the layers the drafter asked for ({layer: [len(prompt_ids), dim]}).
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    target_cache: KVCache | None = None
+    target_slot: int = 0
+    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Verified:
+    """One round's outcome, as the target computed it.
+
+    scored: the tokens the target scored in this round (the pending token, then the draft tokens), at
+    `positions`; accepted: indices into the proposal's tokens of the accepted path, root first; emitted: the
+    tokens committed this round (accepted drafts, then the target's correction or bonus); context: the whole
+    committed sequence afterwards. hidden: {layer: [len(scored), dim]} for the layers the drafter asked for.
+    """
+
+    scored: list[int]
+    positions: list[int]
+    accepted: list[int]
+    emitted: list[int]
+    context: Sequence[int]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
 
 class Drafter(Protocol):
     name: str
+    # Target layers whose hidden states `add_request` and `observe` receive (-1: the final-normed output).
+    hidden_layers: tuple[int, ...]
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
-              target_cache: KVCache | None = None) -> None:
-        """Begin a new request (reset all per-request state).
+    def add_request(self, request: DraftRequest) -> None:
+        """Begin drafting for a new request; its id stays valid until `remove_request`."""
 
-        `target_cache` holds the target's keys/values for the prompt (slot 0, committed): drafters derived
-        from the target's own weights copy it instead of running their own prefill."""
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
+                max_ks: Sequence[int]) -> list[Proposal]:
+        """For each request, at most `max_k` tokens that continue its `context` (the committed sequence);
+        a proposal may be empty."""
 
-    def propose(self, context: Sequence[int], max_k: int) -> Proposal:
-        """Propose at most `max_k` tokens that continue `context`. May return fewer, or none."""
+    def observe(self, request_id: int, verified: Verified) -> None:
+        """Told after every verification round of the request (also rounds in which it drafted nothing)."""
 
-    def accepted(self, num_accepted: int, context: Sequence[int]) -> None:
-        """Told after verification: `num_accepted` leading draft tokens were kept; `context` is the new
-        committed sequence (it ends with the target's own correction or bonus token)."""
+    def remove_request(self, request_id: int) -> None:
+        """Forget the request and free what it held."""

@@ -3,30 +3,49 @@
 Serves three drafters: an independent draft checkpoint (`draft:REF`), the target's own weights quantized
 (`quant:int4`, see quant.py) and the target's first N layers (`self:N`, see self_draft.py).
 
-Cache bookkeeping: after `propose` the draft cache holds the context plus draft tokens d1..d_{k-1} (d_k was
-sampled but never fed). `accepted(n)` keeps what the target kept, so the next `propose` only feeds the tokens
-the draft has not seen: the target's correction, or d_k plus the bonus token after full acceptance.
+Cache bookkeeping, per request in its own slot of the draft's KV cache: after `propose` the slot holds the
+context plus draft tokens d1..d_{k-1} (d_k was sampled but never fed). `observe` keeps what the target kept,
+so the next `propose` only feeds the tokens the draft has not seen: the target's correction, or d_k plus the
+bonus token after full acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from specdraft.drafters.base import Proposal
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.drafters.base import DraftRequest, Proposal, Verified
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
 
 
+@dataclass
+class _DraftState:
+    """One request's drafting state."""
+
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    target_cache: KVCache | None  # the target's cache when the draft shares its prompt keys/values
+    target_slot: int
+    proposed_at: int = 0  # len(context) when the last proposal was made
+    num_proposed: int = 0  # tokens in that proposal (0: none outstanding)
+
+
 class ModelDrafter:
+    hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, model: Transformer, name: str = "draft", exit_layer: int | None = None,
-                 max_len: int = 4096, min_confidence: float = 0.0, share_prompt_cache: bool = False) -> None:
+                 max_len: int = 4096, min_confidence: float = 0.0, share_prompt_cache: bool = False,
+                 max_batch: int = 1) -> None:
         """share_prompt_cache: the draft is derived from the target's weights (quantized, or its first layers),
-        so the target's prompt keys/values are copied instead of running a second prefill."""
+        so the target's prompt keys/values are copied instead of running a second prefill. max_batch:
+        requests drafted for at once (one slot each in the draft's cache)."""
         if not 0.0 <= min_confidence < 1.0:
             raise SpecdraftError("min_confidence must be in [0, 1)")
         self.model = model
@@ -37,77 +56,112 @@ class ModelDrafter:
         cfg = model.config
         layers = exit_layer or cfg.num_layers
         max_len = min(max_len, cfg.max_position_embeddings)
-        self.cache = KVCache(layers, cfg.num_kv_heads, cfg.head_dim, max_len, 1, model.dtype, model.device)
-        self.params = SamplingParams(temperature=0.0)
-        self.generator: torch.Generator | None = None
-        self._proposed_at = 0  # len(context) when the last proposal was made
-        self.target_cache: KVCache | None = None  # set by start() when share_prompt_cache
-        self._num_proposed = 0
+        self.cache = KVCache(layers, cfg.num_kv_heads, cfg.head_dim, max_len, max_batch, model.dtype, model.device)
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._states: dict[int, _DraftState] = {}
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
-              target_cache: KVCache | None = None) -> None:
-        self.params, self.generator = params, generator
-        self.cache.reset()
-        self.target_cache = target_cache if self.share_prompt_cache else None
-        self._catch_up_from_target(len(prompt_ids))
-        if self.cache.length() < len(prompt_ids):
-            self._forward(list(prompt_ids[self.cache.length():]), want_logits=False)
+    def add_request(self, request: DraftRequest) -> None:
+        if not self._free_slots:
+            raise SpecdraftError(f"drafter {self.name!r} serves {self.cache.num_slots} requests at once")
+        state = _DraftState(self._free_slots.pop(), request.params, request.generator,
+                            request.target_cache if self.share_prompt_cache else None, request.target_slot)
+        self._states[request.request_id] = state
+        self.cache.reset(state.slot)
+        # A draft of its own runs the prompt at the first proposal, in one forward with other new requests.
+        self._catch_up_from_target(state, len(request.prompt_ids))
 
-    def _catch_up_from_target(self, context_len: int) -> None:
+    def remove_request(self, request_id: int) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.reset(state.slot)
+            self._free_slots.append(state.slot)
+
+    def _catch_up_from_target(self, state: _DraftState, context_len: int) -> None:
         """Copy the target's committed keys/values the draft has not seen (the prompt; the tokens decoded
         while the engine had fallen back to plain decoding) instead of running them through the draft: for
         `self:N` they are exactly what the draft would compute, for `quant:*` the target's own, and a probe
         after a long fallback then costs one draft step instead of a forward over every missed token."""
-        if self.target_cache is None:
+        if state.target_cache is None:
             return
-        start, end = self.cache.length(), min(context_len, self.target_cache.length(0), self.cache.max_len)
+        start = self.cache.length(state.slot)
+        end = min(context_len, state.target_cache.length(state.target_slot), self.cache.max_len)
         if end - start < 2:  # one token is as cheap to feed as to copy
             return
-        for mine, theirs in ((self.cache.k, self.target_cache.k), (self.cache.v, self.target_cache.v)):
+        for mine, theirs in ((self.cache.k, state.target_cache.k), (self.cache.v, state.target_cache.v)):
             for layer, dst in enumerate(mine):
-                dst[0, :, start:end] = theirs[layer][0, :, start:end]
-        self.cache.commit(0, end)
+                dst[state.slot, :, start:end] = theirs[layer][state.target_slot, :, start:end]
+        self.cache.commit(state.slot, end)
 
-    def _forward(self, tokens: list[int], want_logits: bool = True) -> torch.Tensor | None:
-        x = torch.tensor([tokens], device=self.model.device)
-        logits = self.model(x, self.cache, exit_layer=self.exit_layer, logits_from=len(tokens) - 1)
-        self.cache.commit(0, self.cache.length() + len(tokens))
-        return logits[0, -1] if want_logits else None
+    def _feed(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:
+        """Run each row's feed (the tokens its slot has not seen) and return the logits after its last token
+        [rows, vocab]. All but the last tokens go first, one forward per distinct length (no padding, so no
+        row writes past its own context); then the last tokens of every row in one forward."""
+        by_length: dict[int, list[int]] = {}
+        for row, feed in enumerate(feeds):
+            if len(feed) > 1:
+                by_length.setdefault(len(feed) - 1, []).append(row)
+        for length, rows in by_length.items():
+            self.model(torch.tensor([feeds[r][:-1] for r in rows], device=self.model.device), self.cache,
+                       slots=[states[r].slot for r in rows], exit_layer=self.exit_layer, logits_from=length - 1)
+            for r in rows:
+                self.cache.commit(states[r].slot, self.cache.length(states[r].slot) + length)
+        logits = self.model(torch.tensor([[feed[-1]] for feed in feeds], device=self.model.device), self.cache,
+                            slots=[state.slot for state in states], exit_layer=self.exit_layer)
+        for state in states:
+            self.cache.commit(state.slot, self.cache.length(state.slot) + 1)
+        return logits[:, -1]
 
-    def propose(self, context: Sequence[int], max_k: int) -> Proposal:
-        room = self.cache.max_len - len(context) - 1
-        max_k = min(max_k, room)
-        if max_k <= 0:
-            return Proposal([])
-        self._catch_up_from_target(len(context) - 1)
-        feed = list(context[self.cache.length():])
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        self._proposed_at = len(context)
-        for i in range(max_k):
-            logits = self._forward(feed)
-            if self.params.greedy:
-                token = int(logits.argmax())
-                confidence = float(torch.softmax(logits.float(), -1)[token]) if self.min_confidence else 1.0
-            else:
-                dist = logits_to_probs(logits, self.params)
-                token = int(sample(dist, self.generator))
-                confidence = float(dist[token])
-                probs.append(dist)
-            if confidence < self.min_confidence and i > 0:
-                if probs:
-                    probs.pop()
-                break
-            tokens.append(token)
-            feed = [token]
-        self._num_proposed = len(tokens)
-        # The cache now holds context + tokens[:-1] (+ the last token too after an early stop; `accepted`
-        # rolls back to what is known to be kept, so at worst one token is fed again).
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
+                max_ks: Sequence[int]) -> list[Proposal]:
+        """Draft for every request at once: each draft step is one forward over all requests still drafting."""
+        states = [self._states[i] for i in request_ids]
+        limits = [min(k, self.cache.max_len - len(ctx) - 1) for k, ctx in zip(max_ks, contexts)]
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        active = [i for i, k in enumerate(limits) if k > 0]
+        feeds: dict[int, list[int]] = {}
+        for i in active:
+            state, context = states[i], contexts[i]
+            self._catch_up_from_target(state, len(context) - 1)
+            feeds[i] = [int(t) for t in context[self.cache.length(state.slot):]]
+            state.proposed_at = len(context)
+        while active:
+            logits = self._feed([states[i] for i in active], [feeds[i] for i in active])
+            still = []
+            for row, i in enumerate(active):
+                state = states[i]
+                if state.params.greedy:
+                    token = int(logits[row].argmax())
+                    confidence = float(torch.softmax(logits[row].float(), -1)[token]) if self.min_confidence else 1.0
+                    dist = None
+                else:
+                    dist = logits_to_probs(logits[row], state.params)
+                    token = int(sample(dist, state.generator))
+                    confidence = float(dist[token])
+                if confidence < self.min_confidence and tokens[i]:
+                    continue  # stop this request's draft at its first unsure token (after the first)
+                tokens[i].append(token)
+                if dist is not None:
+                    probs[i].append(dist)
+                feeds[i] = [token]
+                if len(tokens[i]) < limits[i]:
+                    still.append(i)
+            active = still
+        proposals = []
+        for state, toks, dists in zip(states, tokens, probs):
+            state.num_proposed = len(toks)
+            # The cache holds context + toks[:-1] (+ the last token too after an early stop; `observe` rolls
+            # back to what is known to be kept, so at worst one token is fed again).
+            proposals.append(Proposal(toks, torch.stack(dists) if dists else None))
+        return proposals
 
-    def accepted(self, num_accepted: int, context: Sequence[int]) -> None:
-        kept = self._proposed_at + min(num_accepted, max(self._num_proposed - 1, 0))
-        self.cache.commit(0, min(kept, self.cache.length()))
+    def observe(self, request_id: int, verified: Verified) -> None:
+        state = self._states[request_id]
+        if not state.num_proposed:  # a round without drafts: the next `propose` feeds what it missed
+            return
+        kept = state.proposed_at + min(verified.num_accepted, state.num_proposed - 1)
+        self.cache.commit(state.slot, min(kept, self.cache.length(state.slot)))
+        state.num_proposed = 0
 
 
 def check_tokenizers_match(target: Tokenizer, draft: Tokenizer) -> None:

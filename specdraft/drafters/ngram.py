@@ -13,10 +13,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+from specdraft.drafters.base import DraftRequest, Proposal, Verified
 
-from specdraft.drafters.base import Proposal
-from specdraft.verify.sampling import SamplingParams
+
+class NgramIndex:
+    """One request's incremental index: for each n, n-gram -> end position of its latest occurrence."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.reset()
+
+    def reset(self) -> None:
+        # A private int copy of the context, so lookups and slicing do not depend on what kind of sequence
+        # (list, tuple, tensor) the engine hands in.
+        self.tokens: list[int] = []
+        # An n-gram ending at position j is indexed only once position j + 1 exists, so every entry has a
+        # continuation and the current suffix can never be found as its own match.
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        self.indexed_upto = 0  # every n-gram ending before this position is in the index
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Bring the copy and the index up to `context`, touching only tokens not seen before.
+
+        A request's context only ever grows; a shorter one breaks that promise, so the index is rebuilt
+        rather than silently corrupted."""
+        if len(context) < len(self.tokens):
+            self.reset()
+        tokens = self.tokens
+        for i in range(len(tokens), len(context)):
+            tokens.append(int(context[i]))
+        # Index n-grams ending at j for every j that now has a continuation (j <= len - 2).
+        for j in range(self.indexed_upto, len(tokens) - 1):
+            for n, table in self.tables.items():
+                if j + 1 >= n:
+                    table[tuple(tokens[j + 1 - n : j + 1])] = j
+        self.indexed_upto = max(self.indexed_upto, len(tokens) - 1)
+
+    def lookup(self, max_k: int) -> list[int]:
+        """The continuation of the latest earlier occurrence of the longest indexed suffix (n from max down)."""
+        tokens, length = self.tokens, len(self.tokens)
+        for n in sorted(self.tables, reverse=True):
+            if n > length:
+                continue
+            end = self.tables[n].get(tuple(tokens[length - n:]))
+            if end is not None:
+                # The continuation may run into the suffix itself (periodic text); stop at the end of the
+                # context rather than guess beyond it.
+                return tokens[end + 1 : min(end + 1 + max_k, length)]
+        return []
 
 
 class NgramDrafter:
@@ -24,8 +68,10 @@ class NgramDrafter:
 
     Longer n-grams are tried first because a longer shared history is stronger evidence that the same
     continuation follows; among occurrences of one n-gram the most recent wins because nearby text is the
-    best predictor of what comes next.
+    best predictor of what comes next. One index per request.
     """
+
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, max_n: int = 3, min_n: int = 1, name: str = "ngram") -> None:
         for label, value in (("max_n", max_n), ("min_n", min_n)):
@@ -38,62 +84,25 @@ class NgramDrafter:
         self.name = name
         self.max_n = max_n
         self.min_n = min_n
-        self._reset()
+        self._indexes: dict[int, NgramIndex] = {}
 
-    def _reset(self) -> None:
-        # A private int copy of the context, so lookups and slicing do not depend on what kind of sequence
-        # (list, tuple, tensor) the engine hands in.
-        self._tokens: list[int] = []
-        # For each n: n-gram -> end position (inclusive) of its latest indexed occurrence. An n-gram ending
-        # at position j is indexed only once position j + 1 exists, so every entry has a continuation and the
-        # current suffix can never be found as its own match.
-        ns = range(self.min_n, self.max_n + 1)
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in ns}
-        # Every n-gram ending before this position is in the index.
-        self._indexed_upto = 0
-
-    def start(
-        self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator | None,
-        target_cache: object | None = None,
-    ) -> None:
+    def add_request(self, request: DraftRequest) -> None:
         """Sampling params and the generator are irrelevant: lookup never samples."""
-        self._reset()
-        self._sync(prompt_ids)
+        index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
+        index.sync(request.prompt_ids)
 
-    def propose(self, context: Sequence[int], max_k: int) -> Proposal:
-        if max_k <= 0:
-            return Proposal([])
-        self._sync(context)
-        tokens = self._tokens
-        length = len(tokens)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if n > length:
-                continue
-            end = self._index[n].get(tuple(tokens[length - n:]))
-            if end is not None:
-                # The continuation may run into the suffix itself (periodic text); stop at the end of the
-                # context rather than guess beyond it.
-                return Proposal(tokens[end + 1 : min(end + 1 + max_k, length)])
-        return Proposal([])
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
+                max_ks: Sequence[int]) -> list[Proposal]:
+        proposals = []
+        for request_id, context, max_k in zip(request_ids, contexts, max_ks):
+            index = self._indexes[request_id]
+            index.sync(context)
+            proposals.append(Proposal(index.lookup(max_k) if max_k > 0 else []))
+        return proposals
 
-    def accepted(self, num_accepted: int, context: Sequence[int]) -> None:
-        """Indexing here keeps `propose` cheap; `num_accepted` is not needed since `context` says it all."""
-        self._sync(context)
+    def observe(self, request_id: int, verified: Verified) -> None:
+        """Indexing here keeps `propose` cheap; the new context says it all."""
+        self._indexes[request_id].sync(verified.context)
 
-    def _sync(self, context: Sequence[int]) -> None:
-        """Bring the copy and the index up to `context`, touching only tokens not seen before.
-
-        The context is trusted to extend the previous one (the protocol guarantees it); a shorter one can
-        only mean a new request that skipped `start`, so the state is rebuilt instead of silently corrupted.
-        """
-        if len(context) < len(self._tokens):
-            self._reset()
-        tokens = self._tokens
-        for i in range(len(tokens), len(context)):
-            tokens.append(int(context[i]))
-        # Index n-grams ending at j for every j that now has a continuation (j <= len - 2).
-        for j in range(self._indexed_upto, len(tokens) - 1):
-            for n, table in self._index.items():
-                if j + 1 >= n:
-                    table[tuple(tokens[j + 1 - n : j + 1])] = j
-        self._indexed_upto = max(self._indexed_upto, len(tokens) - 1)
+    def remove_request(self, request_id: int) -> None:
+        self._indexes.pop(request_id, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.draft_model import ModelDrafter
-from specdraft.runtime.errors import SpecdraftError
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.quant import quant_supported, quantize_linears
 
@@ -32,6 +32,6 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> Tra
 
 
 def make_quant_drafter(target: Transformer, bits: int, max_len: int = 4096, min_confidence: float = 0.0,
-                       group_size: int = 128) -> ModelDrafter:
+                       group_size: int = 128, max_batch: int = 1) -> ModelDrafter:
     return ModelDrafter(quantized_copy(target, bits, group_size), name=f"quant:int{bits}", max_len=max_len,
-                        min_confidence=min_confidence, share_prompt_cache=True)
+                        min_confidence=min_confidence, share_prompt_cache=True, max_batch=max_batch)

@@ -7,7 +7,44 @@ prefill forward (which yields the first token) is not a decode forward and is no
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+
+
+# The acceptance math, as pure functions shared by the engine's metrics and the benchmark report
+# (None where the denominator is 0).
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def mean_accepted_length(produced_tokens: int, target_forwards: int) -> float | None:
+    return ratio(produced_tokens, target_forwards)
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float | None:
+    return ratio(accepted, drafted)
+
+
+def add_positions(lists: Iterable[Sequence[int] | None]) -> list[int]:
+    """Element-wise sum of per-position counts of different lengths (missing positions count 0)."""
+    out: list[int] = []
+    for xs in lists:
+        if not xs:
+            continue
+        if len(xs) > len(out):
+            out.extend([0] * (len(xs) - len(out)))
+        for i, x in enumerate(xs):
+            out[i] += x
+    return out
+
+
+def per_position_rates(accepted_per_position: Sequence[int],
+                       drafted_per_position: Sequence[int]) -> list[float]:
+    """accepted / drafted at each draft position (0.0 where nothing was drafted)."""
+    accepted = list(accepted_per_position) + [0] * (len(drafted_per_position) - len(accepted_per_position))
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted_per_position, strict=False)]
 
 
 @dataclass
@@ -46,16 +83,16 @@ class SpecMetrics:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return acceptance_rate(self.accepted, self.drafted) or 0.0
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per target decode forward, bonus/correction included (plain decoding = 1.00)."""
-        return self.produced_tokens / self.target_forwards if self.target_forwards else 0.0
+        return mean_accepted_length(self.produced_tokens, self.target_forwards) or 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return per_position_rates(self.accepted_per_position, self.drafted_per_position)
 
     @property
     def tokens_per_second(self) -> float:
@@ -74,12 +111,8 @@ class SpecMetrics:
                      "accepted", "speculative_rounds", "fallback_rounds", "fallback_events", "prefill_time",
                      "draft_time", "verify_time", "total_time"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
-        pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
-        out.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position),
-                                                          pad(other.drafted_per_position))]
-        out.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position),
-                                                           pad(other.accepted_per_position))]
+        out.drafted_per_position = add_positions([self.drafted_per_position, other.drafted_per_position])
+        out.accepted_per_position = add_positions([self.accepted_per_position, other.accepted_per_position])
         return out
 
     def to_dict(self) -> dict:

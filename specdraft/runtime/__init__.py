@@ -1,7 +1,7 @@
 """Model runtime: checkpoints, the transformer forward pass and its KV cache. Knows nothing of speculation."""
 
+from specdraft.errors import ContextOverflowError, ModelLoadError, SpecdraftError
 from specdraft.runtime.config import ModelConfig
-from specdraft.runtime.errors import ContextOverflowError, ModelLoadError, SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.loader import CATALOG, load_model, load_tokenizer, resolve
 from specdraft.runtime.model import Transformer

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdraft.runtime.errors import ModelLoadError
+from specdraft.errors import ModelLoadError
 
 # model_type -> family. Llama-like families share one code path; Gemma 3 has its own norms and layer pattern.
 SUPPORTED_MODEL_TYPES = {

@@ -404,12 +404,16 @@ typedef struct {
  * final-normed hidden states to `normed` [B*T, dim]. Per-forward inputs: slot of each sequence, cache position
  * of each row, additive masks [B*T, key_len] and RoPE tables [B*T, D/2] for full and sliding-window layers.
  * One parallel region for the whole pass: threads meet at a barrier between steps instead of being woken
- * for each of them. Returns 0, or -1 when scratch memory could not be allocated. */
+ * for each of them. Drafters that read the target's features (EAGLE, Medusa) ask for the residual stream
+ * after chosen layers: capture_at[l] >= 0 copies it after layer l into captured[capture_at[l]] [B*T, dim]
+ * (capture_at may be NULL: nothing is copied, nothing costs). Returns 0, or -1 when scratch memory could not
+ * be allocated. */
 int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, bf16 *const *k_caches,
                bf16 *const *v_caches, bf16 *x, bf16 *normed,
                const int64_t *slots, const int64_t *cache_pos, const float *mask_full, const float *mask_sliding,
                int64_t key_len, const float *cos_full, const float *sin_full, const float *cos_sliding,
-               const float *sin_sliding, int64_t B, int64_t T, int threads) {
+               const float *sin_sliding, int64_t B, int64_t T, int threads, const int64_t *capture_at,
+               bf16 *captured) {
     const int64_t rows = B * T, dim = mdl->dim, H = mdl->heads, Hkv = mdl->kv_heads, D = mdl->head_dim;
     const int64_t I = mdl->inter, qkv_width = (H + 2 * Hkv) * D;
     const int64_t widest = max64(max64(qkv_width, 2 * I), dim);
@@ -452,7 +456,11 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
             act_mul_for(wide, act, rows, I, mdl->gelu);
             linear_any(act, L->w_down, L->w_down_scale, NULL, h, rows, dim, I, xf);
 #pragma omp single
-            add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+            {
+                add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+                if (capture_at && capture_at[l] >= 0)
+                    memcpy(captured + capture_at[l] * rows * dim, x, (size_t)(rows * dim) * sizeof(bf16));
+            }
         }
     }
     free(buf);

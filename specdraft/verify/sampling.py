@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdraft.errors import InvalidParameterError
 
-class InvalidParameterError(ValueError):
-    """A sampling or generation parameter that makes no sense."""
-
+__all__ = ["InvalidParameterError", "SamplingParams", "logits_to_probs", "sample"]
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -1,0 +1,422 @@
+"""The engine core: many requests, one target, one propose -> verify -> accept round per `step`.
+
+Each request carries all of its own state (`Request`): context, output assembly and stopping, sampling
+parameters with its own random generator, the adaptive draft-length controller, metrics and a KV-cache slot.
+`Engine.step(requests)` advances every given request by one round: a new request gets its prefill (which
+yields its first token); every other request's drafter proposes, one batched target forward scores all
+proposals (ragged lengths over the slot KV cache, padded to the longest), and each request accepts on its
+own. `stream` and `generate` are thin loops over `step`; `generate_many` keeps up to `max_batch` requests in
+flight, admitting new ones as others finish (continuous batching).
+
+Invariant per request: the target's KV cache slot holds the whole context except its last token (the
+pending one), which is fed to the next forward together with the draft tokens. After verification the
+pending token and the accepted draft tokens are committed; the target's correction/bonus token becomes the
+new pending token. Padding rows write keys past the committed length, which are stale by construction.
+
+Row invariance of the runtime (a token's logits do not depend on the block or batch it is scored in, bit for
+bit in bf16 on the fused CPU path) makes a request's greedy output the same alone or beside others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
+from specdraft.engine.adaptive import AdaptiveConfig, DraftLengthController
+from specdraft.engine.metrics import SpecMetrics
+from specdraft.engine.stopping import OutputAssembler
+from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.runtime.fused import SMALL_BATCH_ROWS
+from specdraft.runtime.model import Transformer
+from specdraft.runtime.tokenizer import Tokenizer
+from specdraft.verify.batch import verify_batch
+from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+
+# Where each emitted token came from (for --show-drafts and the metrics).
+TARGET, DRAFT, CORRECTION, BONUS = "target", "draft", "correction", "bonus"
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: SpecMetrics
+    origins: list[str] = field(default_factory=list)
+    adaptation_log: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StreamChunk:
+    """What one step produced for one request; `result` is set on the request's last chunk."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    origins: list[str]
+    result: GenerationResult | None = None
+
+
+@dataclass
+class Request:
+    """Everything one request owns; the engine keeps nothing per request outside it."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    out: OutputAssembler
+    controller: DraftLengthController
+    metrics: SpecMetrics
+    slot: int
+    started_at: float
+    context: list[int] = field(default_factory=list)  # prompt + emitted tokens (the last one is pending)
+    origins: list[str] = field(default_factory=list)
+    prefilled: bool = False
+    drafting: bool = False  # registered with the drafter
+    holds_slot: bool = True  # until released (the slot may then serve another request)
+    result: GenerationResult | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finished
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 5,
+        adaptive: AdaptiveConfig | None = None,
+        max_model_len: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
+        """max_model_len: prompt + output limit per request (clamped to the model's own context; default
+        4096). max_batch: requests in flight at once (one KV-cache slot each)."""
+        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise SpecdraftError(f"num_speculative_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}], "
+                                 f"got {num_speculative_tokens!r}")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise SpecdraftError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.adaptive = adaptive if adaptive is not None else AdaptiveConfig()
+        self.max_model_len = context_limit(target, max_model_len)
+        self.max_batch = max_batch
+        # Room past any request's own limit for the padding of a batched verification block.
+        self.cache = target.new_cache(self.max_model_len + num_speculative_tokens + 1, max_batch)
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._next_id = 0
+        self.totals = SpecMetrics()
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_ids) == 0:
+            raise SpecdraftError("empty prompt: give at least one token of input")
+        vocab = self.target.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt_ids):
+            raise SpecdraftError("prompt token ids must be integers")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise SpecdraftError(f"prompt token ids must be in [0, {vocab})")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ContextOverflowError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Validate and admit a request (it holds a KV-cache slot until it finishes or is released)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        if not self._free_slots:
+            raise SpecdraftError(f"all {self.max_batch} slots are busy: wait for a request to finish")
+        generator = torch.Generator()
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        request = Request(
+            id=self._next_id, prompt_ids=prompt_ids, params=params, generator=generator,
+            out=OutputAssembler(self.tokenizer, params),
+            controller=DraftLengthController(self.num_speculative_tokens, self.adaptive),
+            metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._free_slots.pop(),
+            started_at=time.perf_counter())
+        self._next_id += 1
+        self.cache.reset(request.slot)
+        return request
+
+    def release(self, request: Request) -> None:
+        """Free the request's slot and drafter state (at its end, or when its client goes away)."""
+        if request.drafting:
+            self.drafter.remove_request(request.id)
+            request.drafting = False
+        if request.holds_slot:
+            request.holds_slot = False
+            self.cache.reset(request.slot)
+            self._free_slots.append(request.slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # ------------------------------------------------------------------------------------------ stepping
+
+    def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
+        """Advance each unfinished request by one round; one chunk per request, in order. A request that
+        finishes in this round gets its `GenerationResult` on its chunk and its slot released."""
+        live = [r for r in requests if not r.finished]
+        chunks: dict[int, StreamChunk] = {}
+        for group in _prefill_groups([r for r in live if not r.prefilled]):
+            chunks.update(self._prefill(group))
+        decoding = [r for r in live if r.id not in chunks]
+        if decoding:
+            chunks.update(self._decode_round(decoding))
+        out = []
+        for r in requests:
+            chunk = chunks.get(r.id) or StreamChunk(r.id, "", [], [])
+            if r.finished and r.result is None:
+                chunk.text += r.out.take_delta()
+                chunk.result = self._finish(r)
+            out.append(chunk)
+        return out
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        request = self.add_request(prompt_ids, params)
+        try:
+            while not request.finished:
+                yield from self.step([request])
+        finally:
+            self.release(request)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        for chunk in self.stream(prompt_ids, params):
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("stream ended without a result")
+
+    def generate_many(self, prompts: Sequence[Sequence[int]],
+                      params: Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Every prompt, up to `max_batch` at a time (admitted as others finish); results in input order.
+        All requests are validated before any runs, so a bad one cannot leave half a batch done."""
+        if len(prompts) != len(params):
+            raise SpecdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for ids, p in zip(prompts, params):
+            self.validate(ids, p)
+        waiting = list(range(len(prompts)))[::-1]
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        active: dict[int, Request] = {}  # request id -> request
+        index: dict[int, int] = {}  # request id -> input position
+        try:
+            while waiting or active:
+                while waiting and self._free_slots:
+                    i = waiting.pop()
+                    request = self.add_request(prompts[i], params[i])
+                    active[request.id], index[request.id] = request, i
+                for chunk in self.step(list(active.values())):
+                    if chunk.result is not None:
+                        results[index[chunk.request_id]] = chunk.result
+                        del active[chunk.request_id]
+        finally:
+            for request in active.values():
+                self.release(request)
+        return results
+
+    # ------------------------------------------------------------------------------------------ rounds
+
+    def _prefill(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
+        """The prompts' forward (one for prompts of equal length): yields each request's first token and
+        registers it with the drafter."""
+        hidden_layers = self.drafter.hidden_layers if self.drafter is not None else ()
+        capture = _capture_layers(hidden_layers, self.target)
+        length = len(requests[0].prompt_ids)
+        t0 = time.perf_counter()
+        out = self.target(torch.tensor([r.prompt_ids for r in requests]), self.cache,
+                          slots=[r.slot for r in requests], logits_from=length - 1, capture_layers=capture)
+        logits = out.logits if capture else out
+        prefill_time = time.perf_counter() - t0
+        chunks = {}
+        for b, r in enumerate(requests):
+            self.cache.commit(r.slot, length)
+            first = self._pick(logits[b, -1], r)
+            r.metrics.prefill_time = prefill_time
+            r.prefilled = True
+            r.context = r.prompt_ids + [first]
+            r.out.add(first)
+            r.origins.append(TARGET)
+            if self.drafter is not None and not r.finished:
+                t = time.perf_counter()
+                prompt_hidden = self._hidden(hidden_layers, capture, out.captured if capture else None, None, b)
+                self.drafter.add_request(DraftRequest(r.id, r.prompt_ids, r.params, r.generator, self.cache,
+                                                      r.slot, prompt_hidden))
+                r.drafting = True
+                r.metrics.draft_time += time.perf_counter() - t
+            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
+        return chunks
+
+    def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
+        drafter = self.drafter
+        t0 = time.perf_counter()
+        lengths = [self._draft_length(r) for r in requests]
+        drafting = [b for b, k in enumerate(lengths) if k > 0]
+        proposals = [Proposal([]) for _ in requests]
+        if drafting:
+            drafted = drafter.propose([requests[b].id for b in drafting], [requests[b].context for b in drafting],
+                                      [lengths[b] for b in drafting])
+            for b, proposal in zip(drafting, drafted, strict=True):
+                if not proposal.is_chain:
+                    raise SpecdraftError(f"drafter {drafter.name!r} proposed a token tree; the engine verifies "
+                                         "chains")
+                proposals[b] = proposal.truncated(lengths[b])
+        # One draft call serves the whole round: each request is charged what the round's drafting cost.
+        draft_time = time.perf_counter() - t0
+
+        hidden_layers = drafter.hidden_layers if drafter is not None else ()
+        capture = _capture_layers(hidden_layers, self.target)
+        width = 1 + max(len(p) for p in proposals)
+        rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (width - 1 - len(p))
+                for r, p in zip(requests, proposals)]
+        t1 = time.perf_counter()
+        out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests],
+                          return_hidden=-1 in hidden_layers, capture_layers=capture)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
+                                         logits, [r.params for r in requests], [r.generator for r in requests])
+        verify_time = time.perf_counter() - t1
+
+        chunks = {}
+        for b, (r, proposal) in enumerate(zip(requests, proposals)):
+            start = self.cache.length(r.slot)
+            self.cache.commit(r.slot, start + 1 + accepted[b])
+            chunks[r.id] = self._accept(r, proposal, accepted[b], emitted[b], draft_time if lengths[b] else 0.0,
+                                        verify_time)
+            if r.drafting and not r.finished:
+                scored = rows[b][:1 + len(proposal)]
+                hidden = self._hidden(hidden_layers, capture, None if isinstance(out, torch.Tensor) else out.captured,
+                                      None if isinstance(out, torch.Tensor) else out.hidden, b, len(scored))
+                t = time.perf_counter()
+                drafter.observe(r.id, Verified(scored, list(range(start, start + len(scored))),
+                                               list(range(accepted[b])), emitted[b], r.context, hidden))
+                r.metrics.draft_time += time.perf_counter() - t
+        return chunks
+
+    def _draft_length(self, r: Request) -> int:
+        if self.drafter is None:
+            return 0
+        remaining = r.params.max_tokens - len(r.out.token_ids)
+        room = self.max_model_len - self.cache.length(r.slot) - 1
+        return max(0, min(r.controller.next_k(), remaining - 1, room))
+
+    def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
+                verify_time: float) -> StreamChunk:
+        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop."""
+        drafted = len(proposal)
+        r.metrics.record_round(drafted, num_accepted)
+        r.metrics.draft_time += draft_time
+        r.metrics.verify_time += verify_time
+        if self.drafter is not None:
+            r.controller.update(drafted, num_accepted, draft_time, verify_time)
+            if not drafted:
+                r.metrics.fallback_rounds += int(r.controller.in_fallback)
+        last = CORRECTION if num_accepted < drafted else BONUS if drafted else TARGET
+        round_origins = [DRAFT] * num_accepted + [last]
+        emitted = []
+        for token, origin in zip(new_tokens, round_origins, strict=True):
+            r.out.add(token)
+            emitted.append(token)
+            r.origins.append(origin)
+            if r.out.finished:
+                break
+        r.context.extend(new_tokens)
+        return StreamChunk(r.id, r.out.take_delta(), emitted, round_origins[:len(emitted)])
+
+    def _finish(self, r: Request) -> GenerationResult:
+        m = r.metrics
+        m.generated_tokens = len(r.out.token_ids)
+        m.fallback_events = r.controller.fallback_events
+        m.total_time = time.perf_counter() - r.started_at
+        self.totals = self.totals.merge(m)
+        r.result = GenerationResult(r.prompt_ids, r.out.token_ids, r.out.text, r.out.finish_reason, m, r.origins,
+                                    r.controller.log)
+        self.release(r)
+        return r.result
+
+    def _pick(self, logits: torch.Tensor, r: Request) -> int:
+        if r.params.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(logits_to_probs(logits, r.params), r.generator))
+
+    def _hidden(self, layers: Sequence[int], capture: Sequence[int], captured: torch.Tensor | None,
+                final: torch.Tensor | None, row: int = 0, length: int | None = None) -> dict[int, torch.Tensor]:
+        """{layer: [tokens, dim]} of one batch row, from the captured residual streams (`captured` [L, B, T,
+        dim]) and the final-normed output (-1; at prefill only the last layer is captured: normed here)."""
+        hidden: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            if layer == -1 and final is not None:
+                hidden[-1] = final[row, :length]
+            elif layer == -1:
+                hidden[-1] = self.target.norm(captured[capture.index(len(self.target.layers) - 1), row, :length])
+            else:
+                hidden[layer] = captured[capture.index(layer), row, :length]
+        return hidden
+
+
+def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
+    """New requests whose prompts share one forward: equal lengths of at most SMALL_BATCH_ROWS tokens, where
+    the fused kernels keep every row's bits whatever the batch (a longer prompt runs alone)."""
+    groups: dict[int, list[Request]] = {}
+    singles = []
+    for r in requests:
+        n = len(r.prompt_ids)
+        if n <= SMALL_BATCH_ROWS:
+            groups.setdefault(n, []).append(r)
+        else:
+            singles.append([r])
+    return [*groups.values(), *singles]
+
+
+def _capture_layers(hidden_layers: Sequence[int], target: Transformer) -> tuple[int, ...]:
+    """Target layers to capture for a drafter's `hidden_layers` (-1, the final output, needs the last layer
+    at prefill, where only the last row's final output is computed)."""
+    layers = {target.config.num_layers - 1 if layer == -1 else layer for layer in hidden_layers}
+    return tuple(sorted(layers))
+
+
+def build_engine(target: Transformer, tokenizer: Tokenizer, speculative_model: str | None = None,
+                 num_speculative_tokens: int = 5, adaptive: bool | AdaptiveConfig = True,
+                 max_model_len: int | None = None, max_batch: int = 1,
+                 drafter_options: dict[str, Any] | None = None) -> Engine:
+    """The one way to assemble an engine from names: the drafter built for the engine's context and batch.
+    `speculative_model` None (or 0 draft tokens) is plain decoding."""
+    from specdraft.drafters import make_drafter
+
+    if not isinstance(adaptive, AdaptiveConfig):
+        adaptive = AdaptiveConfig(enabled=bool(adaptive))
+    drafter = None
+    if speculative_model and num_speculative_tokens > 0:
+        drafter = make_drafter(speculative_model, target, tokenizer, max_len=context_limit(target, max_model_len),
+                               options=drafter_options, max_batch=max_batch)
+    return Engine(target, tokenizer, drafter, num_speculative_tokens if drafter else 0, adaptive, max_model_len,
+                  max_batch)
+
+
+def context_limit(target: Transformer, max_model_len: int | None) -> int:
+    """The per-request context: the user's limit (default 4096), never beyond the model's own."""
+    limit = target.config.max_position_embeddings
+    return min(limit, max_model_len) if max_model_len else min(limit, 4096)
+
+
+__all__ = ["BONUS", "CORRECTION", "DRAFT", "ROOT", "TARGET", "Engine", "GenerationResult", "Request",
+           "StreamChunk", "build_engine", "context_limit"]

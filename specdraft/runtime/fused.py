@@ -1,0 +1,187 @@
+"""The fused CPU backend: runs a `Transformer`'s layers in one call into the C kernels (cpu_kernels.c).
+
+The model file stays a model read top to bottom; everything that is only about feeding the C library lives
+here: the table of raw weight pointers (rebuilt when the model's parameters or modules are replaced), the
+per-cache address tables, and the thread governor. The backend applies to bf16 models on CPU for blocks of
+up to `SMALL_BATCH_ROWS` tokens per sequence (decoding and verification, any number of sequences); the
+model runs its PyTorch modules otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from specdraft.runtime import cpu_kernels
+from specdraft.runtime.kv_cache import KVCache
+from specdraft.runtime.quant import Int8Linear
+
+# Up to this many new tokens per sequence, blocks run in the fused kernels (bit-identical rows whatever the
+# block); longer blocks (prompts) are compute-bound and go to PyTorch's GEMMs.
+SMALL_BATCH_ROWS = 32
+
+
+class FusedCPUBackend:
+    """One per model: see the module docstring."""
+
+    def __init__(self) -> None:
+        self._weights: tuple | None = None  # (embed weight, first wqkv module, kept tensors, (layers, shape))
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.governor = ThreadGovernor()
+
+    def applies(self, model: nn.Module, tokens: int, cache: KVCache) -> bool:
+        """bf16 on CPU, at most SMALL_BATCH_ROWS tokens per sequence, kernels built, layout readable."""
+        if (tokens > SMALL_BATCH_ROWS or model.dtype != torch.bfloat16 or model.device.type != "cpu"
+                or cache.k[0].dtype != torch.bfloat16 or not cpu_kernels.available()):
+            return False
+        return self._weight_table(model) is not None
+
+    def run_layers(self, model: nn.Module, x: torch.Tensor, angles: dict[str, torch.Tensor],
+                   masks: dict[str, torch.Tensor], cache: KVCache, slots: torch.Tensor, cache_pos: torch.Tensor,
+                   num_layers: int, capture_layers: Sequence[int] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's first `num_layers` layers on x [B, T, dim] in one C call.
+
+        angles: RoPE angles [B, T, head_dim / 2] fp32 per layer kind. Returns the final-normed hidden states
+        [B, T, dim] and the residual stream after each of `capture_layers` [len, B, T, dim] (or None)."""
+        B, T, dim = x.shape
+        layers, shape = self._weight_table(model)
+        k_caches, v_caches = self._cache_table(cache)
+        shape.max_len = cache.max_len
+        ropes = {kind: (a.reshape(B * T, -1).cos(), a.reshape(B * T, -1).sin()) for kind, a in angles.items()}
+        residual = x.reshape(B * T, dim).contiguous()
+        available = torch.get_num_threads()
+        threads = self.governor.threads(available)
+        start = time.perf_counter()
+        normed, captured = cpu_kernels.forward_layers(
+            layers, num_layers, shape, k_caches, v_caches, residual, slots, cache_pos.reshape(-1).contiguous(),
+            masks, ropes, B, T, threads, capture_layers)
+        self.governor.record(B * T, threads, available, time.perf_counter() - start)
+        if captured is not None:
+            captured = captured.view(len(capture_layers), B, T, dim)
+        return normed.view(B, T, dim), captured
+
+    def _weight_table(self, model: nn.Module) -> tuple[ctypes.Array, cpu_kernels.ModelShape] | None:
+        """Raw pointers to every layer's weights for the C forward (None if some layer has a layout the kernels
+        do not read). Rebuilt when the parameters or linear modules are replaced (`.to()`, quantization); the
+        cached entry keeps the tensors it points into alive."""
+        cached = self._weights
+        if cached is None or cached[0] is not model.embed.weight or cached[1] is not model.layers[0].attn.wqkv:
+            cached = self._weights = (model.embed.weight, model.layers[0].attn.wqkv, *_build_weight_table(model))
+        return cached[3]
+
+    def _cache_table(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        """The cache's per-layer key and value addresses, kept as long as the cache lives."""
+        table = self._caches.get(cache)
+        if table is None:
+            assert all(t.is_contiguous() for t in (*cache.k, *cache.v))
+            table = self._caches[cache] = (cpu_kernels.addresses(cache.k), cpu_kernels.addresses(cache.v))
+        return table
+
+
+def _build_weight_table(model: nn.Module) -> tuple[list, tuple[ctypes.Array, cpu_kernels.ModelShape] | None]:
+    cfg = model.config
+    widths = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    linears = [(layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down) for layer in model.layers]
+    weights = [[_kernel_weight(m) for m in four] for four in linears]
+    if (cfg.head_dim % 16 or any(w % cpu_kernels.k_multiple() for w in widths)
+            or any(w is None for four in weights for w in four)):
+        return [], None
+    keep: list[torch.Tensor] = []
+
+    def ptr(tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        keep.append(tensor)
+        return tensor.data_ptr()
+
+    def norm(module: nn.Module | None) -> int | None:
+        return None if module is None else ptr(module.weight)
+
+    layers = (cpu_kernels.LayerPointers * len(model.layers))()
+    for i, (layer, entry) in enumerate(zip(model.layers, layers)):
+        attn = layer.attn
+        entry.attn_norm, entry.mlp_norm = norm(layer.attn_norm), norm(layer.mlp_norm)
+        entry.post_attn_norm, entry.post_mlp_norm = norm(layer.post_attn_norm), norm(layer.post_mlp_norm)
+        entry.q_norm, entry.k_norm = norm(attn.q_norm), norm(attn.k_norm)
+        entry.bqkv = ptr(attn.wqkv.bias)
+        for name, (weight, scale) in zip(("wqkv", "wo", "w_gate_up", "w_down"), weights[i]):
+            setattr(entry, name, ptr(weight))
+            setattr(entry, f"{name}_scale", ptr(scale))
+        entry.sliding = int(cfg.layer_types[i] == "sliding")
+    first = model.layers[0]
+    shape = cpu_kernels.ModelShape(
+        dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        inter=cfg.intermediate_size, max_len=0, eps=cfg.rms_norm_eps, scale=first.attn.scale,
+        softcap=first.attn.softcap or 0.0, gemma=int(cfg.is_gemma), gelu=int(cfg.hidden_act not in ("silu", "swish")),
+        final_norm=norm(model.norm))
+    return keep, (layers, shape)
+
+
+def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, per-output scale or None) of a linear layer in a layout the C kernels read: a bf16 nn.Linear
+    (the model's own), or an int8 weight-only layer (the quant:int8 draft) with unpadded input; None for
+    anything else."""
+    if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
+        return module.weight, None
+    if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
+            and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
+        return module.weight_int8, module.scales
+    return None
+
+
+class ThreadGovernor:
+    """Chooses, by measurement, between all of torch's threads and one thread for the fused forward.
+
+    The threads of one forward meet at a barrier about ten times per layer. When another process keeps one of
+    the cores busy, the descheduled thread stalls every barrier: an 11 ms decoding step measured 570 ms on two
+    shared cores, where one thread, which waits at no barrier, takes about 18 ms. So, like the draft-length
+    controller, the governor keeps a running estimate of the single-token forward time (the steady state of
+    decoding) in the mode it runs, and now and then times one forward in the other mode: after `first_probe`
+    forwards, then every `interval` forwards, doubling the interval (up to `max_interval`) while the other
+    mode keeps losing, and at once when the current mode has become `react` times slower than the other
+    mode's last time. Results do not depend on the thread count (each output is computed by one thread, in
+    the same order), so switching never changes a bit.
+    """
+
+    def __init__(self, first_probe: int = 8, interval: int = 64, max_interval: int = 1024, react: float = 2.0,
+                 smoothing: float = 0.3) -> None:
+        self.min_interval, self.max_interval, self.interval = interval, max_interval, interval
+        self.react, self.smoothing = react, smoothing
+        self.countdown = first_probe
+        self.single = False  # the mode it runs in
+        self.estimate: dict[bool, float | None] = {False: None, True: None}  # seconds per forward, by mode
+        self.switches = 0
+
+    def threads(self, available: int) -> int:
+        if available == 1:
+            return 1
+        single = self.single if self.countdown > 0 else not self.single  # countdown over: probe the other
+        return 1 if single else available
+
+    def record(self, rows: int, threads: int, available: int, seconds: float) -> None:
+        if rows != 1 or available == 1:
+            return
+        single = threads == 1
+        if single != self.single:  # a probe of the other mode
+            self.estimate[single] = seconds
+            current = self.estimate[self.single]
+            if current is None or seconds < current:
+                self.single, self.interval = single, self.min_interval
+                self.switches += 1
+            else:
+                self.interval = min(2 * self.interval, self.max_interval)
+            self.countdown = self.interval
+            return
+        previous = self.estimate[single]
+        current = seconds if previous is None else (1 - self.smoothing) * previous + self.smoothing * seconds
+        self.estimate[single] = current
+        self.countdown -= 1
+        other = self.estimate[not single]
+        if other is not None and current > self.react * other:
+            self.countdown = 0

@@ -1,0 +1,72 @@
+"""Verification of a batch of requests in one call: ragged draft lengths, per-row sampling parameters and
+per-row random generators (as vLLM's sampling metadata carries them).
+
+A request's randomness comes only from its own generator, drawn in the same order whatever else shares the
+batch, so a seeded request gives the same tokens alone or beside others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdraft.verify.greedy import greedy_verify
+from specdraft.verify.rejection import pad_vocab, rejection_verify
+from specdraft.verify.sampling import SamplingParams, logits_to_probs
+
+
+def verify_batch(
+    draft_tokens: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    target_logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[int], list[list[int]]]:
+    """Verify each row's chain of draft tokens against the target.
+
+    draft_tokens[b]: row b's k_b draft tokens (k_b may differ per row, 0 included); draft_probs[b]: [k_b,
+    vocab] distributions they were sampled from, or None for a deterministic drafter; target_logits
+    [B, T, V] with T >= 1 + max k_b: row b's logits for its pending token and its drafts (later rows are
+    padding and are never read). Greedy rows (temperature 0) accept while equal to the argmax; sampled rows
+    use Leviathan/Chen rejection sampling with their own params and generator.
+
+    Returns (accepted_len per row, tokens to emit per row: the accepted drafts, then the target's
+    correction or bonus token).
+    """
+    batch = target_logits.shape[0]
+    if not len(draft_tokens) == len(draft_probs) == len(params) == len(generators) == batch:
+        raise ValueError(f"verify_batch: {batch} logit rows but {len(draft_tokens)} drafts, {len(draft_probs)} "
+                         f"draft distributions, {len(params)} params and {len(generators)} generators")
+    lengths = [len(d) for d in draft_tokens]
+    if max(lengths, default=0) + 1 > target_logits.shape[1]:
+        raise ValueError(f"target_logits has {target_logits.shape[1]} positions; a draft of {max(lengths)} "
+                         "needs one more")
+    accepted = [0] * batch
+    emitted: list[list[int]] = [[] for _ in range(batch)]
+
+    greedy_rows = [b for b in range(batch) if params[b].greedy]
+    if greedy_rows:
+        width = max(lengths[b] for b in greedy_rows)
+        padded = torch.full((len(greedy_rows), width), -1, dtype=torch.long)
+        for i, b in enumerate(greedy_rows):
+            padded[i, :lengths[b]] = torch.tensor(draft_tokens[b], dtype=torch.long)
+        # Padding (-1) never equals an argmax, so each row's run of matches stops at its own length.
+        run, argmax = greedy_verify(padded, target_logits[greedy_rows, :width + 1])
+        for i, b in enumerate(greedy_rows):
+            n = int(run[i])
+            accepted[b], emitted[b] = n, argmax[i, :n + 1].tolist()
+
+    for b in range(batch):
+        if params[b].greedy:
+            continue
+        k = lengths[b]
+        target_probs = logits_to_probs(target_logits[b, :k + 1], params[b])
+        probs = draft_probs[b]
+        if probs is not None and k:
+            probs = pad_vocab(probs[:k], target_probs.shape[-1])[None]
+        tokens = torch.tensor([list(draft_tokens[b])], dtype=torch.long).reshape(1, k)
+        run, out = rejection_verify(tokens, probs if k else None, target_probs[None], generators[b])
+        n = int(run[0])
+        accepted[b], emitted[b] = n, out[0, :n + 1].tolist()
+    return accepted, emitted

@@ -1,0 +1,208 @@
+"""The engine core: many requests per `step`, each with its own parameters, generator and slot; what drafters
+observe (tokens, accepted path, the target's hidden states); the cache-free forward for training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_kernels import kernel_model, needs_kernels
+from tiny_models import ToyTokenizer, tiny_model
+
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.draft_model import ModelDrafter
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.engine.adaptive import AdaptiveConfig
+from specdraft.engine.core import Engine
+from specdraft.errors import SpecdraftError
+from specdraft.verify.sampling import SamplingParams
+
+FIXED = AdaptiveConfig(enabled=False)
+KERNEL_VOCAB = 101
+
+MIXED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=20),
+    SamplingParams(temperature=1.0, max_tokens=20, seed=1),
+    SamplingParams(temperature=0.7, top_p=0.9, max_tokens=17, seed=2),
+    SamplingParams(temperature=1.0, top_k=5, max_tokens=20, seed=3),
+    SamplingParams(temperature=0, max_tokens=9),
+    SamplingParams(temperature=1.3, max_tokens=20, seed=4),
+    SamplingParams(temperature=0.8, min_p=0.1, max_tokens=20, seed=5),
+    SamplingParams(temperature=0, max_tokens=20),
+]
+
+
+def kernel_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 7, 7, 12, 40, 7, 3, 25][:n]
+    return [torch.randint(0, KERNEL_VOCAB, (length,), generator=g).tolist() for length in lengths]
+
+
+@needs_kernels
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft"])
+def test_requests_give_the_same_tokens_alone_and_in_one_batch(drafter):
+    """Eight requests with their own sampling parameters and seeds, advanced together by `step` (ragged
+    drafts padded in one target forward, shared prefills, batched drafting), give each exactly the tokens
+    it gets alone: bf16 rows do not depend on the batch on the fused kernels, and each request draws only
+    from its own generator, in the same order."""
+    target = kernel_model("llama")
+    draft = kernel_model("llama", seed=1)
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+
+    def make(batch: int) -> Engine:
+        d = {"none": None, "ngram": NgramDrafter(), "draft": ModelDrafter(draft, max_len=256, max_batch=batch)}
+        return Engine(target, tokenizer, d[drafter], 4 if drafter != "none" else 0, FIXED, max_model_len=256,
+                      max_batch=batch)
+
+    prompts = kernel_prompts(8)
+    alone = make(1)
+    expected = [alone.generate(ids, p).token_ids for ids, p in zip(prompts, MIXED_PARAMS)]
+    together = make(8)
+    got = [r.token_ids for r in together.generate_many(prompts, MIXED_PARAMS)]
+    assert got == expected
+    if drafter == "draft":
+        assert together.totals.drafted > 0 and together.totals.accepted > 0
+    assert together.free_slots == 8
+
+
+@needs_kernels
+def test_continuous_batching_admits_requests_as_slots_free():
+    """Three slots, eight requests: they all finish, in input order, identical to running alone."""
+    target = kernel_model("qwen")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    prompts = kernel_prompts(8, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 11, 5, 8, 1, 14, 6, 9)]
+    expected = [Engine(target, tokenizer, None, 0).generate(ids, p).token_ids for ids, p in zip(prompts, params)]
+    engine = Engine(target, tokenizer, NgramDrafter(), 3, max_batch=3)
+    results = engine.generate_many(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert [len(r.token_ids) for r in results] == [3, 11, 5, 8, 1, 14, 6, 9]
+    assert engine.free_slots == 3
+
+
+def test_step_advances_each_request_and_release_frees_its_slot():
+    target = tiny_model(seed=0, vocab=16)
+    engine = Engine(target, ToyTokenizer(16), NgramDrafter(), 3, max_batch=2)
+    a = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=30))
+    b = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=30))
+    with pytest.raises(SpecdraftError, match="all 2 slots are busy"):
+        engine.add_request([6], SamplingParams(temperature=0, max_tokens=4))
+    chunks = engine.step([a, b])  # both prefills: one token each
+    assert [c.token_ids.__len__() for c in chunks] == [1, 1] and a.prefilled and b.prefilled
+    chunks = engine.step([a, b])
+    assert all(len(c.token_ids) >= 1 for c in chunks)
+    assert engine.cache.length(a.slot) == len(a.context) - 1  # everything but the pending token
+    engine.release(b)  # a client went away: its slot serves the next request at once
+    assert engine.free_slots == 1
+    c = engine.add_request([6, 7], SamplingParams(temperature=0, max_tokens=4))
+    engine.release(b)  # releasing twice must not free the slot c now holds
+    assert engine.free_slots == 0 and c.slot == b.slot
+    while not a.finished or not c.finished:
+        engine.step([a, c])
+    assert engine.free_slots == 2
+
+
+class RecordingDrafter:
+    """Proposes nothing useful; records what the engine tells it, with the target's hidden states."""
+
+    name = "recording"
+
+    def __init__(self, hidden_layers: tuple[int, ...]) -> None:
+        self.hidden_layers = hidden_layers
+        self.requests: dict[int, DraftRequest] = {}
+        self.observed: list[Verified] = []
+
+    def add_request(self, request: DraftRequest) -> None:
+        self.requests[request.request_id] = request
+
+    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+        # The last context token repeated: sometimes right, mostly wrong.
+        return [Proposal([int(ctx[-1])] * k) for ctx, k in zip(contexts, max_ks)]
+
+    def observe(self, request_id: int, verified: Verified) -> None:
+        self.observed.append(verified)
+
+    def remove_request(self, request_id: int) -> None:
+        self.requests.pop(request_id)
+
+
+@pytest.mark.parametrize("path", ["pytorch-fp32", "fused-bf16"])
+def test_drafters_observe_what_the_target_computed(path):
+    """Every round the drafter sees the scored tokens, their positions, the accepted path and the hidden
+    states it asked for, equal (up to the path's rounding) to a cache-free forward over the final context:
+    they come from the verification forward itself."""
+    from specdraft.runtime import cpu_kernels
+
+    if path == "fused-bf16":
+        if not cpu_kernels.available():
+            pytest.skip("fused kernels unavailable (test_kernels_build_where_a_compiler_exists says why)")
+        target, vocab, tolerance = kernel_model("gemma3"), KERNEL_VOCAB, 0.03
+    else:
+        target, vocab, tolerance = tiny_model(seed=0, vocab=16, layers=3), 16, 1e-5
+    drafter = RecordingDrafter(hidden_layers=(0, 2, -1))
+    engine = Engine(target, ToyTokenizer(vocab), drafter, 3, FIXED)
+    prompt = [1, 2, 3, 4, 5]
+    result = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=16))
+    assert not drafter.requests  # removed at the end
+    context = prompt + result.token_ids
+    with cpu_kernels.disabled():
+        reference = target.forward_sequence(torch.tensor([context]), capture_layers=(0, 2))
+    want = {0: reference.captured[0, 0], 2: reference.captured[1, 0], -1: reference.hidden[0]}
+
+    assert drafter.observed
+    for verified in drafter.observed:
+        n, start, accepted = len(verified.scored), verified.positions[0], len(verified.accepted)
+        assert verified.positions == list(range(start, start + n))
+        assert verified.scored[0] == context[start]  # the pending token
+        assert verified.accepted == list(range(accepted))
+        assert verified.emitted == context[start + 1:start + 2 + accepted]
+        assert verified.scored[1:1 + accepted] == verified.emitted[:accepted]
+        kept = verified.positions[:1 + accepted]  # rows of rejected drafts belong to no final context
+        for layer in (0, 2, -1):
+            assert verified.hidden[layer].shape == (n, target.config.hidden_size)
+            got, expected = verified.hidden[layer][:1 + accepted].float(), want[layer][kept].float()
+            assert (got - expected).abs().max() <= tolerance * expected.abs().max(), (layer, verified.positions)
+
+
+def test_the_prompt_hidden_states_reach_the_drafter():
+    target = tiny_model(seed=0, vocab=16, layers=3)
+    seen: list[DraftRequest] = []
+
+    class Keep(RecordingDrafter):
+        def add_request(self, request: DraftRequest) -> None:
+            seen.append(request)
+            super().add_request(request)
+
+    engine = Engine(target, ToyTokenizer(16), Keep(hidden_layers=(1, -1)), 2, FIXED)
+    prompt = [3, 1, 4, 1, 5, 9]
+    engine.generate(prompt, SamplingParams(temperature=0, max_tokens=4))
+    reference = target.forward_sequence(torch.tensor([prompt]), capture_layers=(1,))
+    hidden = seen[0].prompt_hidden
+    torch.testing.assert_close(hidden[1], reference.captured[0, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden[-1], reference.hidden[0], rtol=1e-4, atol=1e-4)
+    assert seen[0].target_cache is engine.cache
+
+
+def test_proposals_are_chains_with_parents():
+    assert Proposal([5, 6, 7]).parents == [ROOT, 0, 1] and Proposal([5, 6, 7]).is_chain
+    tree = Proposal([5, 6, 7], parents=[ROOT, ROOT, 0])
+    assert not tree.is_chain
+    with pytest.raises(ValueError, match="parent"):
+        Proposal([5, 6], parents=[ROOT])
+    assert Proposal([5, 6, 7]).truncated(2).tokens == [5, 6]
+
+
+def test_cache_free_forward_trains_with_autograd_and_matches_the_cached_forward():
+    """`forward_sequence` is what drafter training runs through: same logits as the cached forward, and
+    gradients reach parameters that ask for them."""
+    model = tiny_model(seed=2, vocab=16, layers=2)
+    tokens = torch.tensor([[1, 5, 2, 9, 3, 3, 7]])
+    cache = model.new_cache(16)
+    cached = model(tokens, cache)
+    model.requires_grad_(True)
+    out = model.forward_sequence(tokens, capture_layers=(0,))
+    torch.testing.assert_close(out.logits, cached, rtol=1e-5, atol=1e-5)
+    loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], tokens[0, 1:]) + out.captured.square().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    model.requires_grad_(False)
