@@ -288,18 +288,37 @@ def test_thread_count_changes_no_bit(family):
     assert torch.equal(many, one)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Every code path of the kernels this CPU can run, as the -march that selects it: the native build covers the
+# best one (the rest of this file); these build the others. x86-64-v4 is AVX-512 without BF16.
+SIMD_BUILDS = [("x86-64", "portable", set()), ("x86-64-v3", "avx2", {"avx2", "fma"}),
+               ("x86-64-v4", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
-                    reason="the portable variant is built for x86-64 with cc")
-def test_portable_build_without_avx512(monkeypatch, tmp_path):
-    """CPUs without AVX-512 (most laptops) get the plain-C dot products: check them too, since the machine
-    running the tests compiles the AVX512-BF16 variant by default."""
+                    reason="the variants are built for x86-64 with cc")
+@pytest.mark.parametrize(("march", "path", "needs"), SIMD_BUILDS, ids=[b[1] for b in SIMD_BUILDS])
+def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, needs):
+    """Users' CPUs differ (AVX512-BF16 and AMX on Intel Sapphire Rapids, AVX512-BF16 on AMD Zen 4, AVX2 on
+    Zen 2/3 and most laptops, none of these elsewhere): each path is checked for accuracy and for rows that
+    do not depend on the block, on this machine whenever it can execute it."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {path} path (needs {sorted(needs)})")
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_load_error", None)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", "x86-64")
+    monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", march)
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
-    assert cpu_kernels.k_multiple() == 16 and not cpu_kernels._lib.sd_has_avx512()
-    test_linear_kernel_matches_fp32_and_rows_are_independent(5)
+    assert cpu_kernels.simd_path() == path and cpu_kernels.k_multiple() == 16
+    for rows in (1, 5):
+        test_linear_kernel_matches_fp32_and_rows_are_independent(rows)
     for family in FAMILIES:
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)
         test_fused_forward_as_accurate_as_pytorch_ops(family)

@@ -19,6 +19,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SD_AVX2 1
 #endif
 
 typedef uint16_t bf16;
@@ -41,6 +44,19 @@ static inline bf16 f2bf(float f) {
 
 int sd_has_avx512(void) {
 #ifdef SD_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which code path the linear layers were built for: 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
+int sd_simd_level(void) {
+#if defined(__AVX512BF16__)
+    return 3;
+#elif defined(SD_AVX512)
+    return 2;
+#elif defined(SD_AVX2)
     return 1;
 #else
     return 0;
@@ -140,6 +156,54 @@ static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, c
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
+#elif defined(SD_AVX2)
+/* AVX2 + FMA (e.g. AMD Zen 2/3): 8 fp32 lanes per accumulator, summed in a fixed order. At most 4 x 3 tiles
+ * (MB_MAX), so the 12 accumulators, 3 inputs and a weight vector fit the 16 ymm registers. The tile shape
+ * never changes a result: each (weight row, input row) pair has its own accumulator, updated in k order. */
+#define MB_MAX 3
+/* One input row (decoding): 8 weight rows per tile keep 8 independent FMA chains in flight, which a
+ * memory-bound matrix-vector product needs to reach the bandwidth (4 chains wait on FMA latency). */
+#define NB_DECODE 8
+
+static inline __m256 load_bf16x8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, const float *x, int64_t K, int nb,
+                                                                int mb, int64_t pf, float *res, int int8) {
+    __m256 acc[NB_DECODE][4]; /* tiles of up to 4 x 3, or 8 x 1 when decoding (see NB_DECODE) */
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[4];
+        for (int j = 0; j < mb; j++) xv[j] = _mm256_loadu_ps(x + j * K + k);
+        for (int i = 0; i < nb; i++) {
+            __m256 wv;
+            if (int8) {
+                const int8_t *wi = (const int8_t *)w + i * K + k;
+                if ((k & 63) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
+                wv = load_i8x8(wi);
+            } else {
+                const bf16 *wi = (const bf16 *)w + i * K + k;
+                if ((k & 31) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
+                wv = load_bf16x8(wi);
+            }
+            for (int j = 0; j < mb; j++) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) res[i * mb + j] = sum8(acc[i][j]);
+}
 #else
 static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int nb, int mb, int64_t pf, float *res,
                                  int int8) {
@@ -160,6 +224,12 @@ static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int n
 
 #if !X_IS_BF16
 #define dot_tile(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 0)
+#endif
+#ifndef MB_MAX
+#define MB_MAX 4 /* input rows per tile */
+#endif
+#ifndef NB_DECODE
+#define NB_DECODE 4 /* weight rows per tile for a single input row */
 #endif
 /* int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k]. */
 #define dot_tile_i8(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 1)
@@ -202,17 +272,24 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
-        for (int64_t n = blk * block; n < n_end; n += 4) {
-            const int nb = n_end - n < 4 ? (int)(n_end - n) : 4;
-            for (int64_t m = 0; m < M; m += 4) {
-                const int mb = M - m < 4 ? (int)(M - m) : 4;
+        for (int64_t n = blk * block; n < n_end;) {
+            int nb = n_end - n < 4 ? (int)(n_end - n) : 4;
+            if (NB_DECODE > 4 && M == 1 && n_end - n >= NB_DECODE) nb = NB_DECODE;
+            for (int64_t m = 0; m < M; m += MB_MAX) {
+                const int mb = M - m < MB_MAX ? (int)(M - m) : MB_MAX;
                 float res[16];
                 if (scale) {
                     const int8_t *wrow = (const int8_t *)w + n * K;
-                    TILE_SWITCH(dot_tile_i8, wrow, x32 + m * K)
+                    if (nb > 4)
+                        dot_tile_i8(wrow, x32, K, NB_DECODE, 1, pf, res);
+                    else
+                        TILE_SWITCH(dot_tile_i8, wrow, x32 + m * K)
                 } else {
                     const bf16 *wrow = (const bf16 *)w + n * K;
-                    TILE_SWITCH(dot_tile, wrow, xin + m * K)
+                    if (nb > 4)
+                        dot_tile(wrow, xin, K, NB_DECODE, 1, pf, res);
+                    else
+                        TILE_SWITCH(dot_tile, wrow, xin + m * K)
                 }
                 for (int i = 0; i < nb; i++)
                     for (int j = 0; j < mb; j++) {
@@ -222,6 +299,7 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
                         y[(m + j) * N + n + i] = f2bf(v);
                     }
             }
+            n += nb;
         }
     }
 }

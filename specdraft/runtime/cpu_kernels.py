@@ -97,6 +97,7 @@ _SIGNATURES = {
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
+    "sd_simd_level": ([], ctypes.c_int),
 }
 
 
@@ -157,6 +158,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, thr
     scratch = None if k_multiple() == 32 else torch.empty(M * K, dtype=torch.float32)
     _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
     return y
+
+
+SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16")
+
+
+def simd_path() -> str:
+    """The code path the library was built for on this CPU: avx512bf16, avx512, avx2 (+FMA) or portable."""
+    return SIMD_PATHS[_lib.sd_simd_level()]
 
 
 def k_multiple() -> int:
