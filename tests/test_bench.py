@@ -761,3 +761,33 @@ def test_bench_end_to_end_tiny(tmp_path):
     assert overall["plain"]["mean_accepted_length"] == 1.0
     assert overall["ngram"]["identical"] == overall["ngram"]["compared"] == 2  # lossless
     assert not math.isnan(overall["ngram"]["speedup"])
+
+
+def test_verify_curve_math_report_and_plot(tmp_path):
+    """Ratios to the one-token forward, and the machine bound max(floor, flops / peak): flat while reading
+    the weights dominates, then linear in M."""
+    from specdraft.bench.verify_curve import curve_points, plot_curve, render_curve
+
+    times = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.020}
+    points = curve_points(times, floor_s=0.008, flops_per_token=1e9, peak_flop_s=2e11)
+    assert [p["tokens"] for p in points] == [1, 2, 4, 8]
+    assert [round(p["ratio"], 3) for p in points] == [1.0, 1.1, 1.2, 2.0]
+    # bound: max(8 ms, M * 5 ms) -> 8, 10, 20, 40 ms
+    assert [round(p["bound_ms"], 6) for p in points] == [8.0, 10.0, 20.0, 40.0]
+    assert [round(p["bound_ratio"], 3) for p in points] == [1.0, 1.25, 2.5, 5.0]
+    results = {"machine": {"bandwidth_gb_s": 30.0, "peak_gflop_s": 200.0, "peak_dtype": "fp32"},
+               "config": {"simd_path": "avx2"}, "models": {"m": {"points": points}}}
+    table = render_curve(results)
+    assert "| m | 8 | 20.00 | 2.00 | 40.00 | 5.00 |" in table and "avx2" in table
+    plot_curve(results, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_bench_runtime_takes_the_verify_curve_flags():
+    from specdraft.bench.cli import add_bench_commands
+
+    parser = argparse.ArgumentParser()
+    add_bench_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench-runtime", "--verify-curve", "--model", "a,b", "--prefix", "64"])
+    assert args.verify_curve and args.model == "a,b" and args.prefix == 64
+    assert not parser.parse_args(["bench-runtime"]).verify_curve

@@ -186,6 +186,10 @@ def render_table(results: dict) -> str:
 
 
 def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
+    if args.verify_curve:
+        from specdraft.bench.verify_curve import run_verify_curve
+
+        return run_verify_curve(args, argv)
     from specdraft.bench.interleave import interleaved
     from specdraft.bench.machine import header as machine_header
     from specdraft.bench.machine import header_lines
@@ -277,3 +281,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory for runtime.json (default: bench-out/)")
     p.add_argument("--no-hf", action="store_true", help="only our runtime (skip transformers)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verify-curve", action="store_true",
+                   help="instead: time one forward over M = 1..64 new tokens against one token, for each model "
+                        "in --model (comma list), with the machine's bandwidth and compute bounds; writes "
+                        "verify_curve.json and verify_curve.png")
+    p.add_argument("--prefix", type=int, default=128, help="--verify-curve: committed tokens before the block")
