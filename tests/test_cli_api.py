@@ -93,7 +93,7 @@ def test_nonsense_sampling_parameters(kwargs):
 def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps({"model": "smollm2-135m", "draft_model": "ngram", "speculation_length": 4,
-                                  "max_model_len": 256}))
+                                  "max_model_len": 256, "max_batch": 2}))
     llm = LLM(str(config), progress=False)
     params = SamplingParams(temperature=0, max_tokens=24)
     messages = [{"role": "user", "content": "List three colours, then list them again."}]
@@ -113,3 +113,9 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     with pytest.raises(ContextOverflowError):  # a bad request in a batch: nothing of the batch runs
         llm.generate(["fine", "word " * 300], params)
     assert llm.chat(messages, params)[0].outputs[0].token_ids == out.outputs[0].token_ids
+    # Several prompts run together (max_batch 2, three prompts: continuous batching), each as it runs alone.
+    prompts = ["Count from one to five.", "Name a fruit.", "Say hello in French."]
+    together = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in together] == [llm.generate(p, params)[0].outputs[0].token_ids
+                                                          for p in prompts]
+    assert [o.prompt for o in together] == prompts and llm.engine.free_slots == 2
