@@ -240,12 +240,10 @@ class Engine:
         """The prompts' forward (one for prompts of equal length): yields each request's first token and
         registers it with the drafter."""
         hidden_layers = self.drafter.hidden_layers if self.drafter is not None else ()
-        capture = _capture_layers(hidden_layers, self.target)
         length = len(requests[0].prompt_ids)
         t0 = time.perf_counter()
-        out = self.target(torch.tensor([r.prompt_ids for r in requests]), self.cache,
-                          slots=[r.slot for r in requests], logits_from=length - 1, capture_layers=capture)
-        logits = out.logits if capture else out
+        logits, final, captured, capture = self._score([r.prompt_ids for r in requests], requests, length - 1,
+                                                       hidden_layers)
         prefill_time = time.perf_counter() - t0
         chunks = {}
         for b, r in enumerate(requests):
@@ -258,7 +256,7 @@ class Engine:
             r.origins.append(TARGET)
             if self.drafter is not None and not r.finished:
                 t = time.perf_counter()
-                prompt_hidden = self._hidden(hidden_layers, capture, out.captured if capture else None, None, b)
+                prompt_hidden = self._hidden(hidden_layers, capture, captured, final, b)
                 self.drafter.add_request(DraftRequest(r.id, r.prompt_ids, r.params, r.generator, self.cache,
                                                       r.slot, prompt_hidden))
                 r.drafting = True
@@ -284,14 +282,11 @@ class Engine:
         draft_time = time.perf_counter() - t0
 
         hidden_layers = drafter.hidden_layers if drafter is not None else ()
-        capture = _capture_layers(hidden_layers, self.target)
         width = 1 + max(len(p) for p in proposals)
         rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (width - 1 - len(p))
                 for r, p in zip(requests, proposals)]
         t1 = time.perf_counter()
-        out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests],
-                          return_hidden=-1 in hidden_layers, capture_layers=capture)
-        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers)
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
                                          logits, [r.params for r in requests], [r.generator for r in requests])
         verify_time = time.perf_counter() - t1
@@ -304,8 +299,7 @@ class Engine:
                                         verify_time)
             if r.drafting and not r.finished:
                 scored = rows[b][:1 + len(proposal)]
-                hidden = self._hidden(hidden_layers, capture, None if isinstance(out, torch.Tensor) else out.captured,
-                                      None if isinstance(out, torch.Tensor) else out.hidden, b, len(scored))
+                hidden = self._hidden(hidden_layers, capture, captured, final, b, len(scored))
                 t = time.perf_counter()
                 drafter.observe(r.id, Verified(scored, list(range(start, start + len(scored))),
                                                list(range(accepted[b])), emitted[b], r.context, hidden))
@@ -358,6 +352,22 @@ class Engine:
             return int(logits.argmax(-1))
         return int(sample(logits_to_probs(logits, r.params), r.generator))
 
+    def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int,
+               hidden_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                      tuple[int, ...]]:
+        """One target forward over `rows` (one per request, in its slot): logits from `logits_from` on, and
+        what the drafter's `hidden_layers` need: the final-normed hidden states of those rows (-1) and the
+        residual stream after the named layers (all rows), with the captured layer list."""
+        # The final output of every prompt row is not computed (only the last row's logits are): at prefill
+        # -1 comes from the last layer's residual stream instead.
+        want_final = -1 in hidden_layers and logits_from == 0
+        capture = _capture_layers(hidden_layers, self.target, final_computed=want_final)
+        out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests], logits_from=logits_from,
+                          return_hidden=want_final, capture_layers=capture)
+        if not (want_final or capture):
+            return out, None, None, capture
+        return out.logits, out.hidden if want_final else None, out.captured, capture
+
     def _hidden(self, layers: Sequence[int], capture: Sequence[int], captured: torch.Tensor | None,
                 final: torch.Tensor | None, row: int = 0, length: int | None = None) -> dict[int, torch.Tensor]:
         """{layer: [tokens, dim]} of one batch row, from the captured residual streams (`captured` [L, B, T,
@@ -387,10 +397,12 @@ def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
     return [*groups.values(), *singles]
 
 
-def _capture_layers(hidden_layers: Sequence[int], target: Transformer) -> tuple[int, ...]:
-    """Target layers to capture for a drafter's `hidden_layers` (-1, the final output, needs the last layer
-    at prefill, where only the last row's final output is computed)."""
-    layers = {target.config.num_layers - 1 if layer == -1 else layer for layer in hidden_layers}
+def _capture_layers(hidden_layers: Sequence[int], target: Transformer, final_computed: bool) -> tuple[int, ...]:
+    """Target layers whose residual stream to capture for a drafter's `hidden_layers`; -1 (the final output)
+    needs the last layer only where the forward does not compute the final output of every row."""
+    layers = {layer for layer in hidden_layers if layer >= 0}
+    if -1 in hidden_layers and not final_computed:
+        layers.add(target.config.num_layers - 1)
     return tuple(sorted(layers))
 
 

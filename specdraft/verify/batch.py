@@ -50,7 +50,8 @@ def verify_batch(
         width = max(lengths[b] for b in greedy_rows)
         padded = torch.full((len(greedy_rows), width), -1, dtype=torch.long)
         for i, b in enumerate(greedy_rows):
-            padded[i, :lengths[b]] = torch.tensor(draft_tokens[b], dtype=torch.long)
+            if lengths[b]:
+                padded[i, :lengths[b]] = torch.tensor(draft_tokens[b], dtype=torch.long)
         # Padding (-1) never equals an argmax, so each row's run of matches stops at its own length.
         run, argmax = greedy_verify(padded, target_logits[greedy_rows, :width + 1])
         for i, b in enumerate(greedy_rows):
