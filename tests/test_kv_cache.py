@@ -434,9 +434,11 @@ def test_prefill_sized_blocks_agree_with_decoding_up_to_bf16_rounding(model_name
         block = score(bf16_model, cache, ids[REAL_BLOCK_PREFIX:REAL_BLOCK_PREFIX + REAL_BLOCK_MAX])
     block, decoded = block.float(), decoded.float()
     scale = decoded.abs().amax(-1, keepdim=True)
-    # Measured: at most 0.051 of the row's largest |logit| (gemma3, random tokens, logits near -40 where bf16
-    # steps are 0.25); an error in the prompt path (mask, positions, cache writes) moves logits by tens.
-    assert ((block - decoded).abs() / scale).max() < 0.1
+    # Measured on AMD Zen 3 (prompt GEMMs in fp32): at most 0.051 of the row's largest |logit| (gemma3, random
+    # tokens, logits near -40 where bf16 steps are 0.25). CPUs with native bf16 GEMMs round differently, so
+    # the bound leaves 4x room; an error in the prompt path (mask, positions, cache writes) changes the
+    # logits by their own size.
+    assert ((block - decoded).abs() / scale).max() < 0.2
     top2 = decoded.topk(2).values
     flipped = block.argmax(-1) != decoded.argmax(-1)
-    assert ((top2[:, 0] - top2[:, 1])[flipped] < 1.0).all()
+    assert ((top2[:, 0] - top2[:, 1])[flipped] < 2.0).all()
