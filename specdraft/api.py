@@ -1,7 +1,7 @@
 """The Python API, shaped like vLLM's:
 
     from specdraft import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m", speculative_model="quant:int8", num_speculative_tokens=5)
+    llm = LLM(model="smollm2-135m", speculative_model="ngram", num_speculative_tokens=5, tree=16)
     out = llm.generate(["Tell me a story"], SamplingParams(temperature=0.7, max_tokens=200))
     print(out[0].outputs[0].text, out[0].metrics.acceptance_rate)
 """
@@ -53,6 +53,7 @@ class LLM:
         model: str | dict[str, Any] | Path,
         speculative_model: str | None = None,
         num_speculative_tokens: int = 5,
+        tree: int = 0,
         dtype: str = "bf16",
         device: str | None = None,
         max_model_len: int = 4096,
@@ -64,12 +65,14 @@ class LLM:
     ) -> None:
         """`model` is a model reference (catalog name, HF directory, .gguf file) or a JSON config (path or
         dict, see `SpecConfig`); explicit arguments are used when no config is given. `max_batch` requests
-        run at once (one KV-cache slot each): `generate` and `chat` with several prompts batch them."""
+        run at once (one KV-cache slot each): `generate` and `chat` with several prompts batch them. `tree`:
+        up to this many draft tokens per round as a token tree, `num_speculative_tokens` deep (0: chains;
+        adaptive engines choose chain or tree per round by measured speed)."""
         if isinstance(model, dict) or isinstance(model, Path) or is_config_ref(str(model)):
             cfg = SpecConfig.load(model)
         else:
             cfg = SpecConfig(model=model, speculative_model=speculative_model,
-                             num_speculative_tokens=num_speculative_tokens, dtype=dtype, device=device,
+                             num_speculative_tokens=num_speculative_tokens, tree=tree, dtype=dtype, device=device,
                              max_model_len=max_model_len, max_batch=max_batch, adaptive=adaptive,
                              min_acceptance=min_acceptance, drafter_options=dict(drafter_options or {}))
         self.config = cfg
@@ -78,7 +81,7 @@ class LLM:
         self.engine: Engine = build_engine(
             self.target, self.tokenizer, cfg.speculative_model, cfg.num_speculative_tokens,
             AdaptiveConfig(enabled=cfg.adaptive, min_acceptance=cfg.min_acceptance), cfg.max_model_len,
-            cfg.max_batch, cfg.drafter_options)
+            cfg.max_batch, cfg.drafter_options, cfg.tree)
 
     @property
     def drafter(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdraft.config import arg_draft_length, arg_int_in
+from specdraft.config import arg_draft_length, arg_int_in, arg_tree_size
 from specdraft.drafters import DRAFTER_HELP
 from specdraft.errors import SpecdraftError
 from specdraft.verify.sampling import SamplingParams
@@ -26,7 +26,7 @@ def _build_llm(args: argparse.Namespace):
     if args.config:
         return LLM(args.config)
     return LLM(model=args.model, speculative_model=args.speculative_model,
-               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+               num_speculative_tokens=args.num_speculative_tokens, tree=args.tree, dtype=args.dtype,
                max_model_len=args.max_model_len, max_batch=args.max_batch, adaptive=not args.no_adaptive)
 
 
@@ -36,6 +36,9 @@ def add_speculation_arguments(parser: argparse.ArgumentParser, default_drafter: 
                         metavar="DRAFTER", help=DRAFTER_HELP)
     parser.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=arg_draft_length,
                         default=5, metavar="K", help="draft tokens per round (the maximum, when adaptive)")
+    parser.add_argument("--tree", type=arg_tree_size, default=0, metavar="N",
+                        help="draft a token tree of at most N tokens, K deep (0: a chain); with adaptation each "
+                             "request picks chain or tree by measured speed")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -99,10 +102,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = args.prompt
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     drafter, k = args.speculative_model, args.num_speculative_tokens
-    llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k)
+    llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k, tree=args.tree)
     messages = [{"role": "user", "content": prompt}]
     llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    print(f"model {args.model}, drafter {drafter}, K={k}, greedy, {args.max_tokens} tokens\n")
+    shape = f"trees of up to {args.tree} tokens" if args.tree else "chains"
+    print(f"model {args.model}, drafter {drafter}, K={k}, {shape}, greedy, {args.max_tokens} tokens\n")
     print(f"prompt: {prompt}\n")
     spec = llm.chat(messages, params)[0]
     plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)

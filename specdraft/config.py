@@ -1,5 +1,5 @@
 """The JSON config accepted everywhere a model is:
-`{"model": ..., "speculative_model": "ngram", "num_speculative_tokens": 5}`.
+`{"model": ..., "speculative_model": "ngram", "num_speculative_tokens": 5, "tree": 16}`.
 
 One name per concept, the same in the API, the config and the CLI (`--speculative-model`,
 `--num-speculative-tokens`, `--max-batch`): vLLM's names where vLLM has one. Earlier spellings are still
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from specdraft.engine.core import MAX_DRAFT_TOKENS
+from specdraft.engine.core import MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from specdraft.errors import InvalidParameterError, SpecdraftError
 
 # Earlier spellings -> the one name.
@@ -26,6 +26,7 @@ class SpecConfig:
     model: str
     speculative_model: str | None = None
     num_speculative_tokens: int = 5
+    tree: int = 0  # draft tokens per round as a token tree (0: chains)
     dtype: str = "bf16"
     device: str | None = None
     max_model_len: int = 4096
@@ -49,6 +50,8 @@ class SpecConfig:
              "must be a drafter spec string or null"),
             (is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS,
              "num_speculative_tokens", f"must be an integer in [0, {MAX_DRAFT_TOKENS}]"),
+            (is_int(self.tree) and 0 <= self.tree <= MAX_TREE_NODES, "tree",
+             f"must be an integer in [0, {MAX_TREE_NODES}] (draft tokens per tree; 0 = chains)"),
             (self.dtype in ("bf16", "fp32", "fp16", "bfloat16", "float32", "float16"), "dtype",
              "must be one of bf16, fp32, fp16"),
             (self.device is None or isinstance(self.device, str), "device", "must be a string such as 'cpu'"),
@@ -125,3 +128,7 @@ def arg_int_in(low: int, high: int | None = None):
 
 def arg_draft_length(text: str) -> int:
     return arg_int_in(0, MAX_DRAFT_TOKENS)(text)
+
+
+def arg_tree_size(text: str) -> int:
+    return arg_int_in(0, MAX_TREE_NODES)(text)

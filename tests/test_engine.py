@@ -57,7 +57,7 @@ class OracleDrafter:
     def add_request(self, request: DraftRequest) -> None:
         pass
 
-    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+    def propose(self, request_ids, contexts, max_ks, max_nodes=None) -> list[Proposal]:
         proposals = []
         for context, max_k in zip(contexts, max_ks):
             done = len(context) - self.prompt_len
@@ -75,7 +75,7 @@ class OracleDrafter:
 
 
 class SilentDrafter(OracleDrafter):
-    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+    def propose(self, request_ids, contexts, max_ks, max_nodes=None) -> list[Proposal]:
         return [Proposal([]) for _ in request_ids]
 
 

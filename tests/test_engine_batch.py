@@ -114,7 +114,7 @@ class RecordingDrafter:
     def add_request(self, request: DraftRequest) -> None:
         self.requests[request.request_id] = request
 
-    def propose(self, request_ids, contexts, max_ks) -> list[Proposal]:
+    def propose(self, request_ids, contexts, max_ks, max_nodes=None) -> list[Proposal]:
         # The last context token repeated: sometimes right, mostly wrong.
         return [Proposal([int(ctx[-1])] * k) for ctx, k in zip(contexts, max_ks)]
 

@@ -101,3 +101,22 @@ def test_a_request_decodes_the_same_alone_and_beside_seven_others(drafter, dev_p
     assert got == expected
     if drafter:
         assert together.totals.accepted > 0
+
+
+@pytest.mark.parametrize("model_name,drafters", [("smollm2-135m", ["ngram", "quant:int8"]),
+                                                 ("gemma3-270m", ["ngram", "self:9"])])
+def test_token_trees_match_plain_greedy_bit_for_bit(model_name, drafters, dev_prompts):
+    """bf16 on the fused kernels: a tree node's logits are the bits of its path decoded alone, so trees of up
+    to 16 tokens (and a batch of them, verified together) give plain greedy decoding exactly."""
+    target = load_model(model_name, dtype="bf16", progress=False)
+    tokenizer = load_tokenizer(model_name, progress=False)
+    prompts = [encode(tokenizer, text) for text in spread(dev_prompts, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * len(prompts)
+    plain = Engine(target, tokenizer, None, 0, max_model_len=1024)
+    expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
+    for spec in drafters:
+        engine = build_engine(target, tokenizer, spec, 4, adaptive=False, max_model_len=1024, max_batch=3,
+                              tree=16)
+        got = [r.token_ids for r in engine.generate_many(prompts, params)]
+        assert got == expected, f"{model_name} {spec}: a tree diverged from plain greedy"
+        assert engine.totals.tree_rounds > 0 and engine.totals.accepted > 0

@@ -442,3 +442,25 @@ def test_prefill_sized_blocks_agree_with_decoding_up_to_bf16_rounding(model_name
     top2 = decoded.topk(2).values
     flipped = block.argmax(-1) != decoded.argmax(-1)
     assert ((top2[:, 0] - top2[:, 1])[flipped] < 2.0).all()
+
+
+def test_tree_grown_level_by_level_with_branch_mask(model):
+    """A drafter grows a tree one level per forward, committing each level: `branch_mask` hides the
+    committed nodes that are not a new token's ancestors, so every node gets its path's logits."""
+    prefix = seq(7, 15)
+    cache = model.new_cache(64)
+    score(model, cache, prefix)
+    base = len(prefix)
+    level1 = seq(3, 16)  # three siblings after the prefix
+    model(torch.tensor([level1]), cache, positions=torch.full((1, 3), base), tree_mask=torch.eye(3, dtype=torch.bool))
+    cache.commit(0, base + 3)
+    # Level 2: a child of sibling 2 and a child of sibling 0, each seeing only its own parent.
+    level2 = seq(2, 17)
+    branch = torch.tensor([[[False, False, True], [True, False, False]]])
+    logits = model(torch.tensor([level2]), cache, positions=torch.full((1, 2), base + 1),
+                   tree_mask=torch.eye(2, dtype=torch.bool), branch_mask=branch)[0]
+    for row, parent in ((0, 2), (1, 0)):
+        linear = model.new_cache(64)
+        score(model, linear, prefix)
+        expected = score(model, linear, [level1[parent], level2[row]])[-1]
+        torch.testing.assert_close(logits[row], expected, rtol=0, atol=FP32_ATOL)

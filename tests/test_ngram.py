@@ -1,4 +1,4 @@
-"""NgramDrafter: lookup semantics, and that the incremental index agrees with a brute-force rescan."""
+"""NgramDrafter: lookup semantics, token trees, and that the incremental index agrees with a brute-force rescan."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from specdraft.drafters.base import DraftRequest, Proposal, Verified
-from specdraft.drafters.ngram import NgramDrafter
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.ngram import NgramDrafter, NgramIndex
 from specdraft.verify.sampling import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0)
@@ -190,6 +190,8 @@ def test_shorter_context_rebuilds_instead_of_using_stale_index() -> None:
         ({"max_n": 2, "min_n": 3}, "max_n must be >= min_n"),
         ({"max_n": 2.5}, "max_n must be an integer"),
         ({"min_n": True}, "min_n must be an integer"),
+        ({"max_occurrences": 0}, "max_occurrences must be >= 1"),
+        ({"max_occurrences": 2.0}, "max_occurrences must be an integer"),
     ],
 )
 def test_invalid_constructor_args(kwargs: dict, match: str) -> None:
@@ -200,3 +202,223 @@ def test_invalid_constructor_args(kwargs: dict, match: str) -> None:
 def test_name_and_defaults() -> None:
     assert NgramDrafter().name == "ngram"
     assert NgramDrafter(name="pld").name == "pld"
+
+
+# ---- Token trees ----------------------------------------------------------------------------------------------
+
+
+def index_of(context: Sequence[int], max_n: int = 3, min_n: int = 1, max_occurrences: int = 8) -> NgramIndex:
+    index = NgramIndex(min_n, max_n, max_occurrences)
+    index.sync(context)
+    return index
+
+
+def tree(context: Sequence[int], max_depth: int, max_nodes: int, max_n: int = 3, min_n: int = 1) -> Proposal:
+    return fresh(context, max_n, min_n).propose([0], [context], [max_depth], [max_nodes])[0]
+
+
+def children_of(prop: Proposal, node: int) -> list[int]:
+    return [i for i, p in enumerate(prop.parents) if p == node]
+
+
+def first_path(prop: Proposal) -> list[int]:
+    """The tokens met by following the first child from the root."""
+    path: list[int] = []
+    kids = children_of(prop, ROOT)
+    while kids:
+        path.append(prop.tokens[kids[0]])
+        kids = children_of(prop, kids[0])
+    return path
+
+
+def path_to(prop: Proposal, node: int) -> list[int]:
+    path: list[int] = []
+    while node != ROOT:
+        path.append(prop.tokens[node])
+        node = prop.parents[node]
+    return path[::-1]
+
+
+def reference_occurrences(context: Sequence[int], gram: Sequence[int]) -> list[int]:
+    """Brute force: ends of every occurrence of `gram` that has a continuation, most recent first."""
+    ctx, n = list(context), len(gram)
+    return [end for end in range(len(ctx) - 2, n - 2, -1) if ctx[end - n + 1 : end + 1] == list(gram)]
+
+
+def follows_an_occurrence(context: Sequence[int], path: list[int], max_n: int, min_n: int) -> bool:
+    """Whether `path` is exactly what followed some earlier occurrence of a suffix n-gram of the context."""
+    ctx, length = list(context), len(context)
+    return any(
+        ctx[end + 1 : end + 1 + len(path)] == path and end + 1 + len(path) <= length
+        for n in range(min_n, min(max_n, length) + 1)
+        for end in reference_occurrences(ctx, ctx[length - n :])
+    )
+
+
+def test_tree_branches_between_two_continuations() -> None:
+    # The suffix (1, 2) was followed by 5 6 (most recent) and by 3 4: both become paths, the chain first.
+    ctx = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
+    prop = tree(ctx, 2, 4, max_n=2)
+    assert (prop.tokens, prop.parents, prop.draft_probs) == ([5, 6, 3, 4], [ROOT, 0, ROOT, 2], None)
+    # A budget of 3 keeps the better-supported first token of the other branch.
+    prop = tree(ctx, 2, 3, max_n=2)
+    assert (prop.tokens, prop.parents) == ([5, 6, 3], [ROOT, 0, ROOT])
+
+
+def test_tree_merges_shared_prefixes() -> None:
+    # (1, 2) was followed by 3 5 9 (most recent) and 3 4 0: one node for the shared 3, branching below it.
+    ctx = [0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 9, 1, 2]
+    prop = tree(ctx, 3, 5, max_n=2)
+    assert (prop.tokens, prop.parents) == ([3, 5, 9, 4, 0], [ROOT, 0, 1, 0, 3])
+
+
+def test_tree_orders_siblings_by_evidence_after_the_chain() -> None:
+    # After 2 came 9 (latest, the chain), 8, then 7 twice: 7's two older occurrences outweigh 8's one newer.
+    ctx = [2, 7, 2, 7, 2, 8, 2, 9, 2]
+    prop = tree(ctx, 1, 3, max_n=1)
+    assert (prop.tokens, prop.parents) == ([9, 7, 8], [ROOT, ROOT, ROOT])
+
+
+def test_tree_first_path_is_exactly_the_chain_even_when_cut_short() -> None:
+    # The chain stops at the context's end (1 2); an older occurrence continues 1 2 1 2, but the chain's tip
+    # stays a leaf so the first path is exactly the chain, and the other occurrences add nothing else.
+    ctx = [1, 2, 1, 2, 1, 2]
+    assert fresh(ctx, max_n=2).propose([0], [ctx], [4])[0].tokens == [1, 2]
+    prop = tree(ctx, 4, 8, max_n=2)
+    assert (prop.tokens, prop.parents) == ([1, 2], [ROOT, 0])
+
+
+def test_tree_is_the_chain_when_budget_within_depth_or_single_continuation() -> None:
+    ctx = [1, 2, 3, 4, 1, 2, 5, 6, 7, 1, 2]
+    drafter = fresh(ctx, max_n=2)
+    for depth in range(1, 5):
+        chain = reference(ctx, depth, 2, 1)
+        for budget in range(1, depth + 1):
+            prop = drafter.propose([0], [ctx], [depth], [budget])[0]
+            assert prop.is_chain and prop.tokens == chain[:budget]
+    # Only one earlier occurrence of any suffix n-gram: the tree cannot branch.
+    ctx = [7, 1, 2, 3, 4, 5, 9, 8, 1, 2, 3]
+    prop = tree(ctx, 3, 10)
+    assert prop.is_chain and prop.tokens == [4, 5, 9]
+
+
+def test_tree_empty_cases() -> None:
+    assert tree([1, 2, 3, 4], 4, 8).tokens == []
+    assert tree([5], 4, 8).tokens == []
+    assert tree([1, 2, 1, 2], 0, 8).tokens == []
+    assert tree([1, 2, 1, 2], 3, 0).tokens == []
+
+
+@pytest.mark.parametrize(("max_n", "min_n"), [(3, 1), (2, 2), (1, 1)])
+def test_tree_properties_on_random_contexts(max_n: int, min_n: int) -> None:
+    rng = random.Random(500 + 10 * max_n + min_n)
+    branched = 0
+    for _ in range(150):
+        ctx = [rng.randrange(rng.randrange(2, 5)) for _ in range(rng.randrange(0, 30))]
+        index = index_of(ctx, max_n, min_n)
+        depth, budget = rng.randrange(1, 6), rng.randrange(1, 14)
+        prop = index.lookup_tree(depth, budget)
+        assert isinstance(prop, Proposal) and prop.draft_probs is None
+        assert len(prop) <= budget
+        assert all(d <= depth for d in prop.depths)
+        assert all(ROOT <= p < i for i, p in enumerate(prop.parents))
+        # The chain is the first path (up to the budget); a budget within the depth gives nothing else.
+        chain = reference(ctx, min(depth, budget), max_n, min_n)
+        assert first_path(prop) == chain, (ctx, depth, budget)
+        if budget <= depth:
+            assert prop.tokens == chain
+        # Siblings are distinct tokens and every path copies what followed an occurrence of the suffix.
+        for node in [ROOT, *range(len(prop))]:
+            tokens = [prop.tokens[c] for c in children_of(prop, node)]
+            assert len(tokens) == len(set(tokens)), (ctx, prop)
+        for node in range(len(prop)):
+            assert follows_an_occurrence(ctx, path_to(prop, node), max_n, min_n), (ctx, prop, node)
+        # After the chain child, siblings come by descending evidence (weight of continuations through them).
+        found = index.continuations(depth)
+        for node in [ROOT, *range(len(prop))]:
+            kids = children_of(prop, node)[1:]
+            evidence = [sum(w for cont, w in found if cont[: len(path_to(prop, k))] == path_to(prop, k)) for k in kids]
+            assert evidence == sorted(evidence, reverse=True), (ctx, prop)
+        # Best-first selection: a smaller budget beyond the depth gives a prefix of the bigger tree.
+        for smaller in range(depth + 1, budget):
+            small = index.lookup_tree(depth, smaller)
+            assert (small.tokens, small.parents) == (prop.tokens[:smaller], prop.parents[:smaller])
+        branched += not prop.is_chain
+    assert branched > 10
+
+
+def test_tree_looks_at_no_more_than_max_occurrences() -> None:
+    ctx = [2, 7, 2, 7, 2, 8, 2, 9, 2]
+    assert index_of(ctx, 1, 1, max_occurrences=1).lookup_tree(1, 3).tokens == [9]
+    assert index_of(ctx, 1, 1, max_occurrences=2).lookup_tree(1, 3).tokens == [9, 8]
+
+
+def test_occurrences_most_recent_first_and_limited() -> None:
+    ctx = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
+    index = index_of(ctx, max_n=2, max_occurrences=2)
+    assert index.occurrences([1, 2]) == [7, 4]
+    assert index.occurrences([1, 2], limit=8) == [7, 4, 1]
+    assert index.occurrences([2]) == [7, 4]
+    assert index.occurrences([9, 9]) == []
+    with pytest.raises(ValueError, match="length 1..2"):
+        index.occurrences([1, 2, 3])
+
+
+@pytest.mark.parametrize(("max_n", "min_n"), [(3, 1), (4, 2), (1, 1)])
+def test_incremental_tree_index_matches_fresh(max_n: int, min_n: int) -> None:
+    rng = random.Random(77 + 1000 * max_n + min_n)
+    for _ in range(40):
+        full = [rng.randrange(rng.randrange(2, 4)) for _ in range(rng.randrange(0, 40))]
+        cut = rng.randrange(0, len(full) + 1)
+        index = index_of(full[:cut], max_n, min_n)
+        drafter = fresh(full[:cut], max_n, min_n)
+        while True:
+            ctx = full[:cut]
+            index.sync(ctx)
+            built = index_of(ctx, max_n, min_n)
+            assert index.tables == built.tables and index.prev == built.prev
+            assert index.indexed_upto == built.indexed_upto
+            for n in range(min_n, min(max_n, len(ctx)) + 1):
+                gram = ctx[len(ctx) - n :]
+                assert index.occurrences(gram, limit=100) == reference_occurrences(ctx, gram)
+            depth, budget = rng.randrange(1, 5), rng.randrange(1, 12)
+            got = index.lookup_tree(depth, budget)
+            want = built.lookup_tree(depth, budget)
+            assert (got.tokens, got.parents) == (want.tokens, want.parents)
+            prop = drafter.propose([0], [ctx], [depth], [budget])[0]
+            assert (prop.tokens, prop.parents) == (want.tokens, want.parents)
+            if cut == len(full):
+                break
+            cut = min(cut + rng.randrange(1, 5), len(full))
+            drafter.observe(0, told(full[:cut]))
+
+
+def test_chain_mode_unchanged_with_node_budget_none_or_max_k() -> None:
+    rng = random.Random(3)
+    for _ in range(60):
+        ctx = [rng.randrange(3) for _ in range(rng.randrange(0, 25))]
+        drafter = fresh(ctx)
+        for max_k in range(0, 5):
+            want = reference(ctx, max_k, 3, 1)
+            for budgets in (None, [None], [max_k]):
+                prop = drafter.propose([0], [ctx], [max_k], budgets)[0]
+                assert prop.is_chain and prop.tokens == want and prop.draft_probs is None
+
+
+def test_propose_takes_a_node_budget_per_request() -> None:
+    drafter = fresh([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_n=2)
+    start(drafter, [2, 7, 2, 8, 2], request_id=1)
+    trees = drafter.propose([0, 1], [[1, 2, 3, 4, 1, 2, 5, 6, 1, 2], [2, 7, 2, 8, 2]], [2, 1], [2, 2])
+    assert (trees[0].tokens, trees[0].parents) == ([5, 6], [ROOT, 0])  # a budget of max_k: the chain
+    assert (trees[1].tokens, trees[1].parents) == ([8, 7], [ROOT, ROOT])
+    with pytest.raises(ValueError, match="2 node budgets for 1 requests"):
+        drafter.propose([0], [[1, 2]], [2], [4, 4])
+
+
+def test_continuations_count_each_occurrence_once_with_its_longest_match() -> None:
+    # Ends 5 and 1 match the 2-suffix (1, 2) and so also the 1-suffix (2,): each counts once, weighted as a
+    # 2-gram match (MATCH_BASE ** 2) decayed by its recency rank.
+    index = index_of([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_n=2)
+    base, decay = NgramIndex.MATCH_BASE, NgramIndex.RECENCY_DECAY
+    assert index.continuations(2) == [([5, 6], base**2), ([3, 4], base**2 * decay)]
+    assert index.continuations(5) == [([5, 6, 1, 2], base**2), ([3, 4, 1, 2, 5], base**2 * decay)]

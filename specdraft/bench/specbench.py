@@ -20,7 +20,7 @@ results.json schema (`schema_version` 1; times in seconds; rates in [0, 1]; null
         "model": str, "dtype": str, "date": ISO-8601 str, "command": str
       },
       "config": {"suite": str, "per_category": int|null, "groups": [str]|null, "methods": [str],
-                 "peers": [str], "k": int, "adaptive": bool, "temperature": float, "max_tokens": int,
+                 "peers": [str], "k": int, "tree": int, "adaptive": bool, "temperature": float, "max_tokens": int,
                  "repeats": int, "seed": int, "max_model_len": int, "chat_template": bool},
       "greedy": bool,                      # temperature == 0: identity with plain is checked
       "methods": [{"name": str, "kind": "ours"|"peer", "baseline": str}],   # baseline: the method's own
@@ -82,7 +82,7 @@ from pathlib import Path
 
 from specdraft.bench import stats
 from specdraft.bench.suite import OVERALL, Question, group_of, order_groups
-from specdraft.config import arg_draft_length
+from specdraft.config import arg_draft_length, arg_tree_size
 from specdraft.verify.sampling import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -127,12 +127,31 @@ def parse_methods(spec: str) -> list[str]:
     return ["plain", *names]
 
 
-def build_our_methods(names: Sequence[str], target, tokenizer, k: int, adaptive: bool, max_len: int) -> list:
+def method_tree(name: str, default_tree: int) -> tuple[str, int]:
+    """A method name is a drafter spec, optionally with `+treeN` (trees of up to N tokens; `+tree0`: chains);
+    without it the method drafts `default_tree` (`--tree`)."""
+    from specdraft.config import arg_tree_size
+    from specdraft.errors import SpecdraftError
+
+    drafter, plus, tree = name.rpartition("+tree")
+    if not plus:
+        return name, default_tree
+    try:
+        return drafter, arg_tree_size(tree)
+    except Exception as exc:
+        raise SpecdraftError(f"method {name!r}: +tree takes a tree size, {exc}") from None
+
+
+def build_our_methods(names: Sequence[str], target, tokenizer, k: int, adaptive: bool, max_len: int,
+                      tree: int = 0) -> list:
     from specdraft.engine.core import build_engine
 
-    return [OurMethod(name, build_engine(target, tokenizer, None if name == "plain" else name, k,
-                                         adaptive and name != "plain", max_len))
-            for name in names]
+    methods = []
+    for name in names:
+        drafter, size = method_tree(name, tree)
+        methods.append(OurMethod(name, build_engine(target, tokenizer, None if name == "plain" else drafter, k,
+                                                    adaptive and name != "plain", max_len, tree=size)))
+    return methods
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -444,7 +463,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     target = load_model(args.model, dtype=args.dtype, progress=True)
     tokenizer = load_tokenizer(args.model)
     max_len = context_limit(target, args.max_model_len)
-    methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len)
+    methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len, args.tree)
     notes: list[dict] = []
     peers, skipped = load_peers(peer_names, args.model, tokenizer, max_len, notes=notes)
     methods += peers
@@ -465,7 +484,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
 
     config = {"suite": str(args.suite) if args.suite else "specbench-mini (bundled)",
               "per_category": args.per_category, "groups": groups, "methods": method_names,
-              "peers": peer_names, "k": k, "adaptive": not args.no_adaptive,
+              "peers": peer_names, "k": k, "tree": args.tree, "adaptive": not args.no_adaptive,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
               "max_model_len": max_len, "chat_template": build.chat}
@@ -500,6 +519,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt; times are medians over them")
     p.add_argument("--num-speculative-tokens", "-k", "--k", dest="num_speculative_tokens", type=arg_draft_length,
                    default=5, help="draft tokens per round (the maximum, when adaptive)")
+    p.add_argument("--tree", type=arg_tree_size, default=0, metavar="N",
+                   help="methods draft token trees of up to N tokens (0: chains); one method can say its own "
+                        "with +treeN, e.g. --methods ngram,ngram+tree16")
     p.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--max-model-len", type=int, default=4096)

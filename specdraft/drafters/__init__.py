@@ -17,8 +17,8 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     """Build a drafter from its spec string (`ngram`, `quant:int4`, `self:8`, `draft:REF` or a model ref) for
     up to `max_batch` concurrent requests.
 
-    options: drafter-specific keyword options (ngram: max_n, min_n; model drafters: min_confidence;
-    quant: group_size). Unknown options are an error.
+    options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; model drafters:
+    min_confidence; quant: group_size). Unknown options are an error.
     """
     options = dict(options or {})
     if not isinstance(spec, str) or not spec.strip():
@@ -35,7 +35,7 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     if kind == "ngram":
         from specdraft.drafters.ngram import NgramDrafter
 
-        opts = take({"max_n", "min_n"})
+        opts = take({"max_n", "min_n", "max_occurrences"})
         if arg:
             opts.setdefault("max_n", _int_arg(spec, arg))
         try:

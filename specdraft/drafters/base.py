@@ -22,19 +22,20 @@ import torch
 
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.verify.sampling import SamplingParams
-
-# Parent index of a node that hangs directly after the last committed token.
-ROOT = -1
+from specdraft.verify.tree import ROOT, tree_depths
 
 
 @dataclass
 class Proposal:
-    """Draft tokens, each with the index of its parent node (ROOT for the first); a chain is
-    `parents == [ROOT, 0, 1, ...]`, the only shape the engine verifies today (trees come next).
+    """Draft tokens as a tree: each token has the index of its parent node (ROOT: it follows the last
+    committed token), parents come before their children, and siblings are tried in their order. A chain is
+    `parents == [ROOT, 0, 1, ...]` (the default).
 
-    `draft_probs` is [len(tokens), vocab] fp32: the exact distribution each token was sampled from (made by
-    `logits_to_probs` with the request's params). `None` means the drafter is deterministic (each token is a
-    one-hot draft), which is what greedy drafting and n-gram lookup are.
+    `draft_probs` is [len(tokens), vocab] fp32: row i is the exact distribution token i was drawn from, given
+    its parent and its earlier siblings (made by `logits_to_probs` with the request's params; a drafter that
+    samples siblings without replacement zeroes and renormalises the earlier ones). `None` means the drafter
+    is deterministic (each token is a one-hot draft), which is what greedy drafting, top-k trees and n-gram
+    lookup are. Verification is lossless under exactly these semantics (see verify/tree.py).
     """
 
     tokens: list[int]
@@ -46,6 +47,8 @@ class Proposal:
             self.parents = [ROOT] + list(range(len(self.tokens) - 1)) if self.tokens else []
         if len(self.parents) != len(self.tokens):
             raise ValueError(f"{len(self.tokens)} draft tokens but {len(self.parents)} parent indices")
+        if any(not ROOT <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"parents must point to an earlier node or ROOT, got {self.parents}")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.tokens)} tokens")
 
@@ -56,12 +59,29 @@ class Proposal:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    def truncated(self, k: int) -> Proposal:
-        """The first k tokens of a chain."""
-        if k >= len(self.tokens):
+    @property
+    def depths(self) -> list[int]:
+        """1-based depth of each node (a child of ROOT has depth 1)."""
+        return tree_depths(self.parents)
+
+    def truncated(self, max_depth: int, max_nodes: int | None = None) -> Proposal:
+        """The first `max_nodes` nodes (default: all) of depth at most `max_depth`; for a chain, its first
+        `max_depth` tokens. A node is kept only with its parent, so the result is again a tree."""
+        max_nodes = len(self.tokens) if max_nodes is None else max_nodes
+        depths = self.depths
+        keep: list[int] = []
+        new_index: dict[int, int] = {}
+        for i, (p, d) in enumerate(zip(self.parents, depths)):
+            if len(keep) == max_nodes:
+                break
+            if d <= max_depth and (p == ROOT or p in new_index):
+                new_index[i] = len(keep)
+                keep.append(i)
+        if len(keep) == len(self.tokens):
             return self
-        probs = None if self.draft_probs is None else self.draft_probs[:k]
-        return Proposal(self.tokens[:k], probs, self.parents[:k])
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return Proposal([self.tokens[i] for i in keep], probs,
+                        [ROOT if self.parents[i] == ROOT else new_index[self.parents[i]] for i in keep])
 
 
 @dataclass
@@ -112,10 +132,11 @@ class Drafter(Protocol):
     def add_request(self, request: DraftRequest) -> None:
         """Begin drafting for a new request; its id stays valid until `remove_request`."""
 
-    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
-                max_ks: Sequence[int]) -> list[Proposal]:
-        """For each request, at most `max_k` tokens that continue its `context` (the committed sequence);
-        a proposal may be empty."""
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
+                max_nodes: Sequence[int] | None = None) -> list[Proposal]:
+        """For each request, draft tokens that continue its `context` (the committed sequence): at most
+        `max_k` deep and at most `max_nodes` tokens in all (None: `max_k`, i.e. a chain). A drafter that
+        cannot branch returns a chain; a proposal may be empty."""
 
     def observe(self, request_id: int, verified: Verified) -> None:
         """Told after every verification round of the request (also rounds in which it drafted nothing)."""

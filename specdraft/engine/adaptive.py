@@ -38,6 +38,50 @@ class AdaptiveConfig:
 CALIBRATION_ROUNDS = 2
 
 
+class TreeShapeChooser:
+    """Chooses each round's draft shape, a chain or a tree of a few sizes up to `max_nodes`, by measurement.
+
+    Whether a tree pays depends on the text (how often the drafter's second guesses are right) and on the
+    machine (what verifying more tokens costs), neither known in advance, so every shape is an arm whose
+    tokens per round and seconds per round (drafting and verification) are averaged as it runs; the round
+    goes to the arm with the most tokens per second, and every `explore_every` rounds to the arm tried least
+    recently, so an estimate never goes stale. Arm 0 is the chain: it stays the choice where trees do not
+    pay. Each arm is tried once first, the largest tree first.
+    """
+
+    def __init__(self, max_nodes: int, window: int = 8, explore_every: int = 8) -> None:
+        self.arms = sorted({0, max(2, max_nodes // 2), max_nodes}, reverse=True) if max_nodes > 1 else [0]
+        self.smoothing = 1.0 / window
+        self.explore_every = explore_every
+        self.tokens: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
+        self.last_tried = {arm: -1 for arm in self.arms}
+        self.rounds = 0
+
+    def rate(self, arm: int) -> float | None:
+        """Measured tokens per second of an arm (None before it ran)."""
+        if arm not in self.seconds or self.seconds[arm] <= 0:
+            return None
+        return self.tokens[arm] / self.seconds[arm]
+
+    def choose(self) -> int:
+        """Nodes for the next round's draft (0: a chain)."""
+        untried = [arm for arm in self.arms if arm not in self.tokens]
+        if untried:
+            return untried[0]
+        if self.rounds % self.explore_every == self.explore_every - 1:
+            return min(self.arms, key=self.last_tried.__getitem__)
+        return max(self.arms, key=lambda arm: self.rate(arm) or 0.0)
+
+    def update(self, arm: int, tokens: int, seconds: float) -> None:
+        """One speculative round of shape `arm`: the tokens it produced and what drafting + verifying cost."""
+        self.rounds += 1
+        self.last_tried[arm] = self.rounds
+        w = self.smoothing
+        for table, value in ((self.tokens, float(tokens)), (self.seconds, seconds)):
+            table[arm] = value if arm not in table else (1 - w) * table[arm] + w * value
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens per round when each draft token is accepted with probability alpha (bonus included)."""
     if alpha >= 1.0:
@@ -96,8 +140,10 @@ class DraftLengthController:
         cost = k * self.draft_step + self.plain_forward + k * self.verify_extra
         return expected_tokens(self.alpha, k) * self.plain_forward / cost
 
-    def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
-        """Feed one round's outcome. drafted == 0 means a plain forward (used to time the baseline)."""
+    def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float,
+               nodes: int | None = None) -> None:
+        """Feed one round's outcome. drafted == 0 means a plain forward (used to time the baseline); drafted
+        is a tree's depth and `nodes` its size (None: a chain of `drafted` tokens)."""
         if drafted == 0:
             self.plain_rounds += 1
             if self.plain_rounds <= CALIBRATION_ROUNDS:  # the first decoding step runs cold: keep the fastest
@@ -114,7 +160,7 @@ class DraftLengthController:
         self.alpha = self._ema(self.alpha, round_alpha)
         self.draft_step = self._ema(self.draft_step if self.draft_step else None, draft_time / drafted)
         if self.plain_forward is not None:
-            extra = max(0.0, (verify_time - self.plain_forward) / drafted)
+            extra = max(0.0, (verify_time - self.plain_forward) / (nodes or drafted))
             self.verify_extra = self._ema(self.verify_extra, extra)
         if not self.config.enabled:
             return

@@ -13,6 +13,14 @@ pending one), which is fed to the next forward together with the draft tokens. A
 pending token and the accepted draft tokens are committed; the target's correction/bonus token becomes the
 new pending token. Padding rows write keys past the committed length, which are stale by construction.
 
+A proposal may be a token tree (`tree` > 0): it is verified in the same forward, each node at its depth's
+position and seeing only its ancestors (`tree_mask`); afterwards the cache keeps just the accepted path,
+moved up behind the pending token (`KVCache.compact`), so nothing is recomputed. Verification walks the tree
+(verify/tree.py): greedy takes the branch that matches the target's argmax, sampling uses multi-candidate
+rejection sampling. With adaptation each request picks, per round, a chain or a tree of a few sizes by
+measured tokens per second (`TreeShapeChooser`). A tree has at most MAX_TREE_NODES tokens, so that its block
+stays within the fused kernels' row-invariant size.
+
 Row invariance of the runtime (a token's logits do not depend on the block or batch it is scored in, bit for
 bit in bf16 on the fused CPU path) makes a request's greedy output the same alone or beside others.
 """
@@ -27,7 +35,7 @@ from typing import Any
 import torch
 
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
-from specdraft.engine.adaptive import AdaptiveConfig, DraftLengthController
+from specdraft.engine.adaptive import AdaptiveConfig, DraftLengthController, TreeShapeChooser
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
 from specdraft.errors import ContextOverflowError, SpecdraftError
@@ -36,10 +44,14 @@ from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+from specdraft.verify.tree import tree_attention_mask
 
 # Where each emitted token came from (for --show-drafts and the metrics).
 TARGET, DRAFT, CORRECTION, BONUS = "target", "draft", "correction", "bonus"
 MAX_DRAFT_TOKENS = 64
+# Nodes of a token tree: with the pending token a tree is one block of at most SMALL_BATCH_ROWS tokens, the
+# size up to which the fused kernels give every row the bits it gets alone (greedy stays bit-identical).
+MAX_TREE_NODES = SMALL_BATCH_ROWS - 1
 
 
 @dataclass
@@ -74,6 +86,7 @@ class Request:
     generator: torch.Generator
     out: OutputAssembler
     controller: DraftLengthController
+    shapes: TreeShapeChooser | None  # chain or tree, per round (None: chains only)
     metrics: SpecMetrics
     slot: int
     started_at: float
@@ -99,14 +112,21 @@ class Engine:
         adaptive: AdaptiveConfig | None = None,
         max_model_len: int | None = None,
         max_batch: int = 1,
+        tree: int = 0,
     ) -> None:
         """max_model_len: prompt + output limit per request (clamped to the model's own context; default
-        4096). max_batch: requests in flight at once (one KV-cache slot each)."""
+        4096). max_batch: requests in flight at once (one KV-cache slot each). tree: at most this many draft
+        tokens per round as a token tree (0: chains); `num_speculative_tokens` bounds its depth. With
+        `adaptive`, each request chooses per round between a chain and trees of up to `tree` nodes by
+        measured speed."""
         if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdraftError(f"num_speculative_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}], "
                                  f"got {num_speculative_tokens!r}")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecdraftError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(tree, int) or isinstance(tree, bool) or not 0 <= tree <= MAX_TREE_NODES:
+            raise SpecdraftError(f"tree must be an integer in [0, {MAX_TREE_NODES}] (draft tokens per tree; 0 = "
+                                 f"chains), got {tree!r}")
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter if num_speculative_tokens > 0 else None
@@ -114,8 +134,9 @@ class Engine:
         self.adaptive = adaptive if adaptive is not None else AdaptiveConfig()
         self.max_model_len = context_limit(target, max_model_len)
         self.max_batch = max_batch
+        self.tree = tree if self.drafter is not None else 0
         # Room past any request's own limit for the padding of a batched verification block.
-        self.cache = target.new_cache(self.max_model_len + num_speculative_tokens + 1, max_batch)
+        self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._next_id = 0
         self.totals = SpecMetrics()
@@ -152,6 +173,7 @@ class Engine:
             id=self._next_id, prompt_ids=prompt_ids, params=params, generator=generator,
             out=OutputAssembler(self.tokenizer, params),
             controller=DraftLengthController(self.num_speculative_tokens, self.adaptive),
+            shapes=TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled else None,
             metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._free_slots.pop(),
             started_at=time.perf_counter())
         self._next_id += 1
@@ -267,17 +289,14 @@ class Engine:
     def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
         t0 = time.perf_counter()
-        lengths = [self._draft_length(r) for r in requests]
-        drafting = [b for b, k in enumerate(lengths) if k > 0]
+        budgets = [self._draft_budget(r) for r in requests]
+        drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         proposals = [Proposal([]) for _ in requests]
         if drafting:
             drafted = drafter.propose([requests[b].id for b in drafting], [requests[b].context for b in drafting],
-                                      [lengths[b] for b in drafting])
+                                      [budgets[b][0] for b in drafting], [budgets[b][1] for b in drafting])
             for b, proposal in zip(drafting, drafted, strict=True):
-                if not proposal.is_chain:
-                    raise SpecdraftError(f"drafter {drafter.name!r} proposed a token tree; the engine verifies "
-                                         "chains")
-                proposals[b] = proposal.truncated(lengths[b])
+                proposals[b] = proposal.truncated(*budgets[b][:2])
         # One draft call serves the whole round: each request is charged what the round's drafting cost.
         draft_time = time.perf_counter() - t0
 
@@ -285,43 +304,62 @@ class Engine:
         width = 1 + max(len(p) for p in proposals)
         rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (width - 1 - len(p))
                 for r, p in zip(requests, proposals)]
+        starts = [self.cache.length(r.slot) for r in requests]
+        positions, tree_mask = _tree_layout(proposals, starts, width)
         t1 = time.perf_counter()
-        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers)
+        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask)
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
-                                         logits, [r.params for r in requests], [r.generator for r in requests])
+                                         logits, [r.params for r in requests], [r.generator for r in requests],
+                                         [p.parents for p in proposals])
         verify_time = time.perf_counter() - t1
 
         chunks = {}
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
-            start = self.cache.length(r.slot)
-            self.cache.commit(r.slot, start + 1 + accepted[b])
-            chunks[r.id] = self._accept(r, proposal, accepted[b], emitted[b], draft_time if lengths[b] else 0.0,
-                                        verify_time)
+            start, path = starts[b], accepted[b]
+            if path == list(range(len(path))):  # a prefix of the block: keep it where it is
+                self.cache.commit(r.slot, start + 1 + len(path))
+            else:  # a path through a tree: move its keys and values up behind the pending token
+                self.cache.compact(r.slot, [0] + [1 + i for i in path])
+            chunks[r.id] = self._accept(r, proposal, len(path), emitted[b], draft_time if budgets[b][0] else 0.0,
+                                        verify_time, budgets[b][2])
             if r.drafting and not r.finished:
                 scored = rows[b][:1 + len(proposal)]
                 hidden = self._hidden(hidden_layers, capture, captured, final, b, len(scored))
                 t = time.perf_counter()
-                drafter.observe(r.id, Verified(scored, list(range(start, start + len(scored))),
-                                               list(range(accepted[b])), emitted[b], r.context, hidden))
+                depths = [0] + proposal.depths
+                drafter.observe(r.id, Verified(scored, [start + d for d in depths], path, emitted[b], r.context,
+                                               hidden))
                 r.metrics.draft_time += time.perf_counter() - t
         return chunks
 
-    def _draft_length(self, r: Request) -> int:
+    def _draft_budget(self, r: Request) -> tuple[int, int, int | None]:
+        """(depth, nodes, shape) of the request's next draft: depth 0 is a plain round; shape is the
+        `TreeShapeChooser` arm taken (None without one)."""
         if self.drafter is None:
-            return 0
+            return 0, 0, None
         remaining = r.params.max_tokens - len(r.out.token_ids)
         room = self.max_model_len - self.cache.length(r.slot) - 1
-        return max(0, min(r.controller.next_k(), remaining - 1, room))
+        depth = max(0, min(r.controller.next_k(), remaining - 1, room))
+        if depth == 0:
+            return 0, 0, None
+        shape = r.shapes.choose() if r.shapes is not None else None
+        nodes = min(self.tree if shape is None else shape, room)
+        if nodes == 0:  # a chain
+            return depth, depth, shape
+        return min(depth, nodes), nodes, shape
 
     def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
-                verify_time: float) -> StreamChunk:
+                verify_time: float, shape: int | None = None) -> StreamChunk:
         """Book one verified round: metrics, the controller, and the emitted tokens up to any stop."""
-        drafted = len(proposal)
-        r.metrics.record_round(drafted, num_accepted)
+        nodes = len(proposal) if len(proposal) and not proposal.is_chain else None
+        drafted = max(proposal.depths, default=0)
+        r.metrics.record_round(drafted, num_accepted, nodes)
         r.metrics.draft_time += draft_time
         r.metrics.verify_time += verify_time
         if self.drafter is not None:
-            r.controller.update(drafted, num_accepted, draft_time, verify_time)
+            r.controller.update(drafted, num_accepted, draft_time, verify_time, nodes)
+            if drafted and shape is not None:
+                r.shapes.update(shape, num_accepted + 1, draft_time + verify_time)
             if not drafted:
                 r.metrics.fallback_rounds += int(r.controller.in_fallback)
         last = CORRECTION if num_accepted < drafted else BONUS if drafted else TARGET
@@ -353,8 +391,9 @@ class Engine:
         return int(sample(logits_to_probs(logits, r.params), r.generator))
 
     def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int,
-               hidden_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                                      tuple[int, ...]]:
+               hidden_layers: Sequence[int], positions: torch.Tensor | None = None,
+               tree_mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]]:
         """One target forward over `rows` (one per request, in its slot): logits from `logits_from` on, and
         what the drafter's `hidden_layers` need: the final-normed hidden states of those rows (-1) and the
         residual stream after the named layers (all rows), with the captured layer list."""
@@ -362,8 +401,9 @@ class Engine:
         # -1 comes from the last layer's residual stream instead.
         want_final = -1 in hidden_layers and logits_from == 0
         capture = _capture_layers(hidden_layers, self.target, final_computed=want_final)
-        out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests], logits_from=logits_from,
-                          return_hidden=want_final, capture_layers=capture)
+        out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests], positions=positions,
+                          tree_mask=tree_mask, logits_from=logits_from, return_hidden=want_final,
+                          capture_layers=capture)
         if not (want_final or capture):
             return out, None, None, capture
         return out.logits, out.hidden if want_final else None, out.captured, capture
@@ -381,6 +421,23 @@ class Engine:
             else:
                 hidden[layer] = captured[capture.index(layer), row, :length]
         return hidden
+
+
+def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],
+                 width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """RoPE positions [B, width] and attention mask [B, width, width] of a verification block holding token
+    trees: a node sits at its depth past the committed length and sees its ancestors and the pending token.
+    Chains and padding keep the causal layout, which is also what (None, None) means when no row is a tree."""
+    if all(p.is_chain for p in proposals):
+        return None, None
+    positions = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]
+    mask = torch.ones(len(proposals), width, width, dtype=torch.bool).tril()
+    for b, p in enumerate(proposals):
+        if not p.is_chain:
+            n = len(p) + 1
+            positions[b, :n] = starts[b] + torch.tensor([0] + p.depths)
+            mask[b, :n, :n] = tree_attention_mask(p.parents)
+    return positions, mask
 
 
 def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
@@ -409,7 +466,7 @@ def _capture_layers(hidden_layers: Sequence[int], target: Transformer, final_com
 def build_engine(target: Transformer, tokenizer: Tokenizer, speculative_model: str | None = None,
                  num_speculative_tokens: int = 5, adaptive: bool | AdaptiveConfig = True,
                  max_model_len: int | None = None, max_batch: int = 1,
-                 drafter_options: dict[str, Any] | None = None) -> Engine:
+                 drafter_options: dict[str, Any] | None = None, tree: int = 0) -> Engine:
     """The one way to assemble an engine from names: the drafter built for the engine's context and batch.
     `speculative_model` None (or 0 draft tokens) is plain decoding."""
     from specdraft.drafters import make_drafter
@@ -421,7 +478,7 @@ def build_engine(target: Transformer, tokenizer: Tokenizer, speculative_model: s
         drafter = make_drafter(speculative_model, target, tokenizer, max_len=context_limit(target, max_model_len),
                                options=drafter_options, max_batch=max_batch)
     return Engine(target, tokenizer, drafter, num_speculative_tokens if drafter else 0, adaptive, max_model_len,
-                  max_batch)
+                  max_batch, tree)
 
 
 def context_limit(target: Transformer, max_model_len: int | None) -> int:
@@ -430,5 +487,5 @@ def context_limit(target: Transformer, max_model_len: int | None) -> int:
     return min(limit, max_model_len) if max_model_len else min(limit, 4096)
 
 
-__all__ = ["BONUS", "CORRECTION", "DRAFT", "ROOT", "TARGET", "Engine", "GenerationResult", "Request",
+__all__ = ["BONUS", "CORRECTION", "DRAFT", "MAX_TREE_NODES", "ROOT", "TARGET", "Engine", "GenerationResult", "Request",
            "StreamChunk", "build_engine", "context_limit"]

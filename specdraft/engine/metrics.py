@@ -53,8 +53,10 @@ class SpecMetrics:
     generated_tokens: int = 0
     target_forwards: int = 0  # decode/verify forwards of the target (prefill excluded)
     produced_tokens: int = 0  # tokens those forwards produced (accepted + 1 each), before stop truncation
-    drafted: int = 0
+    drafted: int = 0  # draft positions offered: tokens of a chain, the depth of a tree
     accepted: int = 0
+    draft_nodes: int = 0  # draft tokens the target verified (a tree's every node)
+    tree_rounds: int = 0  # rounds that verified a tree rather than a chain
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     speculative_rounds: int = 0
@@ -65,11 +67,14 @@ class SpecMetrics:
     verify_time: float = 0.0
     total_time: float = 0.0
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, num_nodes: int | None = None) -> None:
+        """num_drafted: the draft's depth (a chain's length); num_nodes: a tree's size (None: a chain)."""
         self.target_forwards += 1
         self.produced_tokens += num_accepted + 1
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.draft_nodes += num_drafted if num_nodes is None else num_nodes
+        self.tree_rounds += num_nodes is not None
         if num_drafted:
             self.speculative_rounds += 1
         grow = num_drafted - len(self.drafted_per_position)
@@ -108,8 +113,8 @@ class SpecMetrics:
         """Cumulative metrics over several requests."""
         out = SpecMetrics(**{k: v for k, v in asdict(self).items()})
         for name in ("prompt_tokens", "generated_tokens", "target_forwards", "produced_tokens", "drafted",
-                     "accepted", "speculative_rounds", "fallback_rounds", "fallback_events", "prefill_time",
-                     "draft_time", "verify_time", "total_time"):
+                     "accepted", "draft_nodes", "tree_rounds", "speculative_rounds", "fallback_rounds",
+                     "fallback_events", "prefill_time", "draft_time", "verify_time", "total_time"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.drafted_per_position = add_positions([self.drafted_per_position, other.drafted_per_position])
         out.accepted_per_position = add_positions([self.accepted_per_position, other.accepted_per_position])

@@ -299,11 +299,15 @@ class Transformer(nn.Module):
         logits_from: int = 0,
         return_hidden: bool = False,
         capture_layers: Sequence[int] = (),
+        branch_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | ForwardOutput:
         """Score `tokens` [B, T] appended after each slot's committed length; nothing is committed.
 
         positions: RoPE positions [B, T] (default: committed length + 0..T-1; a token tree passes depths).
         tree_mask: bool [T, T] or [B, T, T], True where new token i may see new token j (default: causal).
+        branch_mask: bool [B, T, m]: the last m committed keys of each slot are nodes of a token tree grown
+            level by level (a drafter's); new token i sees the j-th of them only where branch_mask[b, i, j]
+            (its ancestors). Committed keys are otherwise visible to every new token.
         exit_layer: run only the first N layers, then the final norm and head (early-exit self-drafting).
         logits_from: compute logits for rows logits_from.. only (prefill needs just the last one).
         return_hidden / capture_layers: return a `ForwardOutput` with the final-normed hidden states of those
@@ -316,12 +320,12 @@ class Transformer(nn.Module):
         cache.check_room(slots, T)
         starts = [cache.lengths[s] for s in slots]
         # A prompt on an empty cache: every layer kind whose window covers the block is plainly causal.
-        from_start = positions is None and tree_mask is None and max(starts) == 0
+        from_start = positions is None and tree_mask is None and branch_mask is None and max(starts) == 0
         if positions is None:
             offsets = torch.tensor(starts, device=tokens.device)[:, None]
             positions = offsets + torch.arange(T, device=tokens.device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
-        masks = self._masks(starts, positions, tree_mask, key_len)
+        masks = self._masks(starts, positions, tree_mask, key_len, branch_mask)
 
         rows = torch.tensor(slots, device=tokens.device)[:, None]
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
@@ -414,7 +418,7 @@ class Transformer(nn.Module):
         return emb.cos().to(self.dtype), signed_sin.to(self.dtype)
 
     def _masks(self, starts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None,
-               key_len: int) -> dict[str, torch.Tensor]:
+               key_len: int, branch_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Additive fp32 masks [B, 1, T, 1, key_len] per layer kind.
 
         A new token sees every committed key (within the sliding window, by position) and the new keys that
@@ -429,6 +433,13 @@ class Transformer(nn.Module):
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
         tree_mask = tree_mask.expand(B, T, T)
         visible = committed[:, None, :].expand(B, T, key_len).clone()
+        if branch_mask is not None:  # committed tree nodes: visible to their descendants only
+            m = branch_mask.shape[-1]
+            branch_rel = key_idx[None, :] - (start_t - m)                           # [B, L]
+            in_branch = ((branch_rel >= 0) & (branch_rel < m))[:, None, :]
+            branch_vis = torch.gather(branch_mask.to(device), 2,
+                                      branch_rel.clamp(0, m - 1)[:, None, :].expand(B, T, key_len))
+            visible &= ~in_branch | branch_vis
         rel = key_idx[None, :] - start_t                                            # [B, L]
         in_block = (rel >= 0) & (rel < T)
         block_vis = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))

@@ -1,5 +1,5 @@
-"""Verification of a batch of requests in one call: ragged draft lengths, per-row sampling parameters and
-per-row random generators (as vLLM's sampling metadata carries them).
+"""Verification of a batch of requests in one call: ragged drafts (chains or trees), per-row sampling
+parameters and per-row random generators (as vLLM's sampling metadata carries them).
 
 A request's randomness comes only from its own generator, drawn in the same order whatever else shares the
 batch, so a seeded request gives the same tokens alone or beside others.
@@ -14,6 +14,7 @@ import torch
 from specdraft.verify.greedy import greedy_verify
 from specdraft.verify.rejection import pad_vocab, rejection_verify
 from specdraft.verify.sampling import SamplingParams, logits_to_probs
+from specdraft.verify.tree import greedy_tree_verify, tree_rejection_verify
 
 
 def verify_batch(
@@ -22,17 +23,20 @@ def verify_batch(
     target_logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> tuple[list[int], list[list[int]]]:
-    """Verify each row's chain of draft tokens against the target.
+    parents: Sequence[Sequence[int] | None] | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Verify each row's draft (a chain, or a tree given its `parents`) against the target.
 
     draft_tokens[b]: row b's k_b draft tokens (k_b may differ per row, 0 included); draft_probs[b]: [k_b,
     vocab] distributions they were sampled from, or None for a deterministic drafter; target_logits
     [B, T, V] with T >= 1 + max k_b: row b's logits for its pending token and its drafts (later rows are
-    padding and are never read). Greedy rows (temperature 0) accept while equal to the argmax; sampled rows
-    use Leviathan/Chen rejection sampling with their own params and generator.
+    padding and are never read). parents[b]: the parent of each node of a tree (see verify/tree.py), or
+    None for a chain. Greedy rows (temperature 0) accept while equal to the argmax; sampled rows use
+    Leviathan/Chen rejection sampling (a tree: its multi-candidate form) with their own params and
+    generator.
 
-    Returns (accepted_len per row, tokens to emit per row: the accepted drafts, then the target's
-    correction or bonus token).
+    Returns (accepted draft indices per row, root first: a chain's are 0..n-1; tokens to emit per row: the
+    accepted drafts, then the target's correction or bonus token).
     """
     batch = target_logits.shape[0]
     if not len(draft_tokens) == len(draft_probs) == len(params) == len(generators) == batch:
@@ -42,10 +46,25 @@ def verify_batch(
     if max(lengths, default=0) + 1 > target_logits.shape[1]:
         raise ValueError(f"target_logits has {target_logits.shape[1]} positions; a draft of {max(lengths)} "
                          "needs one more")
-    accepted = [0] * batch
+    parents = list(parents) if parents is not None else [None] * batch
+    accepted: list[list[int]] = [[] for _ in range(batch)]
     emitted: list[list[int]] = [[] for _ in range(batch)]
 
-    greedy_rows = [b for b in range(batch) if params[b].greedy]
+    trees = [b for b in range(batch) if parents[b] is not None and _is_tree(parents[b])]
+    for b in trees:
+        rows = target_logits[b, :lengths[b] + 1]
+        if params[b].greedy:
+            accepted[b], emitted[b] = greedy_tree_verify(draft_tokens[b], parents[b], rows)
+        else:
+            target_probs = logits_to_probs(rows, params[b])
+            probs = draft_probs[b]
+            if probs is not None:
+                probs = pad_vocab(probs, target_probs.shape[-1])
+            accepted[b], emitted[b] = tree_rejection_verify(draft_tokens[b], parents[b], probs, target_probs,
+                                                            generators[b])
+    chains = [b for b in range(batch) if b not in trees]
+
+    greedy_rows = [b for b in chains if params[b].greedy]
     if greedy_rows:
         width = max(lengths[b] for b in greedy_rows)
         padded = torch.full((len(greedy_rows), width), -1, dtype=torch.long)
@@ -56,9 +75,9 @@ def verify_batch(
         run, argmax = greedy_verify(padded, target_logits[greedy_rows, :width + 1])
         for i, b in enumerate(greedy_rows):
             n = int(run[i])
-            accepted[b], emitted[b] = n, argmax[i, :n + 1].tolist()
+            accepted[b], emitted[b] = list(range(n)), argmax[i, :n + 1].tolist()
 
-    for b in range(batch):
+    for b in chains:
         if params[b].greedy:
             continue
         k = lengths[b]
@@ -69,5 +88,9 @@ def verify_batch(
         tokens = torch.tensor([list(draft_tokens[b])], dtype=torch.long).reshape(1, k)
         run, out = rejection_verify(tokens, probs if k else None, target_probs[None], generators[b])
         n = int(run[0])
-        accepted[b], emitted[b] = n, out[0, :n + 1].tolist()
+        accepted[b], emitted[b] = list(range(n)), out[0, :n + 1].tolist()
     return accepted, emitted
+
+
+def _is_tree(parents: Sequence[int]) -> bool:
+    return any(p != i - 1 for i, p in enumerate(parents))
