@@ -328,22 +328,22 @@ def test_tree_size_is_validated():
 
 
 def test_shape_chooser_prefers_the_measured_faster_shape():
-    chooser = TreeShapeChooser(8, window=4, explore_every=8)
-    assert chooser.arms == [8, 4, 0]
-    # Trees: 3 tokens in 30 ms; the chain: 2 tokens in 10 ms (faster).
-    speed = {8: (3, 0.030), 4: (2.5, 0.025), 0: (2, 0.010)}
+    chooser = TreeShapeChooser(16, window=4, explore_every=8, max_wait=64)
+    assert chooser.arms == [16, 8, 4, 0]
+    # Trees: more tokens per round but slower rounds; the chain is fastest per second.
+    speed = {16: (3, 0.060), 8: (2.8, 0.040), 4: (2.5, 0.025), 0: (2, 0.010)}
     picks = []
-    for _ in range(40):
+    for _ in range(400):
         arm = chooser.choose()
         picks.append(arm)
         chooser.update(arm, *speed[arm])
-    assert picks[:3] == [8, 4, 0]  # each shape tried once, the largest tree first
-    assert picks[3:].count(0) > 0.7 * len(picks[3:])
-    assert set(picks[3:]) == {0, 4, 8}  # the others are re-measured now and then
-    # When trees become faster (the text turned repetitive), the choice follows.
-    speed[8] = (8, 0.020)
-    for _ in range(40):
-        arm = chooser.choose()
-        chooser.update(arm, *speed[arm])
-    assert chooser.choose() in (8, 4) or chooser.rate(8) > chooser.rate(0)
-    assert chooser.rate(8) > chooser.rate(0)
+    assert picks[:4] == [16, 8, 4, 0]  # each shape tried once, the largest tree first
+    later = picks[200:]
+    assert set(later) == {0, 4, 8, 16}  # the losers are still re-measured now and then...
+    assert later.count(0) > 0.9 * len(later)  # ...but rarely: their wait doubles while they lose
+    assert chooser.wait[16] == 64
+    # When trees become faster (the text turned repetitive), the choice follows within one wait.
+    speed[16] = (8, 0.020)
+    for _ in range(200):
+        chooser.update(arm := chooser.choose(), *speed[arm])
+    assert chooser.best() == 16 and chooser.choose() == 16

@@ -44,18 +44,21 @@ class TreeShapeChooser:
     Whether a tree pays depends on the text (how often the drafter's second guesses are right) and on the
     machine (what verifying more tokens costs), neither known in advance, so every shape is an arm whose
     tokens per round and seconds per round (drafting and verification) are averaged as it runs; the round
-    goes to the arm with the most tokens per second, and every `explore_every` rounds to the arm tried least
-    recently, so an estimate never goes stale. Arm 0 is the chain: it stays the choice where trees do not
-    pay. Each arm is tried once first, the largest tree first.
+    goes to the arm with the most tokens per second. A losing arm is re-measured now and then, after a wait
+    that doubles each time it loses again (from `explore_every` up to `max_wait` rounds), since on a machine
+    where wide verification is expensive every exploration of a big tree costs several plain steps. Arm 0 is
+    the chain: it stays the choice where trees do not pay. Each arm is tried once first, largest first.
     """
 
-    def __init__(self, max_nodes: int, window: int = 8, explore_every: int = 8) -> None:
-        self.arms = sorted({0, max(2, max_nodes // 2), max_nodes}, reverse=True) if max_nodes > 1 else [0]
+    def __init__(self, max_nodes: int, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
+        sizes = {0} if max_nodes < 2 else {0, max(2, max_nodes // 4), max(2, max_nodes // 2), max_nodes}
+        self.arms = sorted(sizes, reverse=True)
         self.smoothing = 1.0 / window
-        self.explore_every = explore_every
+        self.explore_every, self.max_wait = explore_every, max_wait
         self.tokens: dict[int, float] = {}
         self.seconds: dict[int, float] = {}
-        self.last_tried = {arm: -1 for arm in self.arms}
+        self.wait = dict.fromkeys(self.arms, explore_every)
+        self.due = dict.fromkeys(self.arms, 0)  # round from which an arm may be re-measured
         self.rounds = 0
 
     def rate(self, arm: int) -> float | None:
@@ -64,22 +67,31 @@ class TreeShapeChooser:
             return None
         return self.tokens[arm] / self.seconds[arm]
 
+    def best(self) -> int:
+        return max(self.arms, key=lambda arm: self.rate(arm) or 0.0)
+
     def choose(self) -> int:
         """Nodes for the next round's draft (0: a chain)."""
         untried = [arm for arm in self.arms if arm not in self.tokens]
         if untried:
             return untried[0]
-        if self.rounds % self.explore_every == self.explore_every - 1:
-            return min(self.arms, key=self.last_tried.__getitem__)
-        return max(self.arms, key=lambda arm: self.rate(arm) or 0.0)
+        best = self.best()
+        overdue = [arm for arm in self.arms if arm != best and self.due[arm] <= self.rounds]
+        return min(overdue, key=self.due.__getitem__) if overdue else best
 
     def update(self, arm: int, tokens: int, seconds: float) -> None:
         """One speculative round of shape `arm`: the tokens it produced and what drafting + verifying cost."""
         self.rounds += 1
-        self.last_tried[arm] = self.rounds
-        w = self.smoothing
+        explored = arm in self.tokens and arm != self.best()
+        # A re-measurement replaces the arm's stale estimate (the text may have changed since); the arm in use
+        # is smoothed over its recent rounds.
+        w = 1.0 if explored else self.smoothing
         for table, value in ((self.tokens, float(tokens)), (self.seconds, seconds)):
             table[arm] = value if arm not in table else (1 - w) * table[arm] + w * value
+        if explored:
+            lost = self.best() != arm
+            self.wait[arm] = min(2 * self.wait[arm], self.max_wait) if lost else self.explore_every
+        self.due[arm] = self.rounds + self.wait[arm]
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -157,12 +157,17 @@ static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, c
         for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 #elif defined(SD_AVX2)
-/* AVX2 + FMA (e.g. AMD Zen 2/3): 8 fp32 lanes per accumulator, summed in a fixed order. At most 4 x 3 tiles
- * (MB_MAX), so the 12 accumulators, 3 inputs and a weight vector fit the 16 ymm registers. The tile shape
- * never changes a result: each (weight row, input row) pair has its own accumulator, updated in k order. */
-#define MB_MAX 3
-/* One input row (decoding): 8 weight rows per tile keep 8 independent FMA chains in flight, which a
- * memory-bound matrix-vector product needs to reach the bandwidth (4 chains wait on FMA latency). */
+/* AVX2 + FMA (e.g. AMD Zen 2/3): 8 fp32 lanes per accumulator, summed in a fixed order. The tile shape never
+ * changes a result: each (weight row, input row) pair has its own accumulator, updated in k order.
+ *
+ * Tile shapes (see tile_rows and input_chunk below), chosen for the 16 ymm registers: nb * mb accumulators,
+ * nb widened weight vectors and one input vector. Widening 8 bf16 weights costs two vector instructions on
+ * the ports the FMAs need too, so the more input rows share each widened weight the closer a verification
+ * block gets to the FMA peak: 2 weight rows x up to 6 input rows (15 registers) from 4 input rows on, each
+ * weight tile being widened once per chunk of 6 rows. One input row (decoding, memory-bound) takes 8 weight
+ * rows, 8 independent FMA chains, 8 weight streams in flight. */
+#define MB_MAX 6    /* input rows per tile, from 4 input rows on */
+#define NB_VERIFY 2 /* weight rows per tile, from 4 input rows on */
 #define NB_DECODE 8
 
 static inline __m256 load_bf16x8(const bf16 *p) {
@@ -179,31 +184,78 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
+/* Every loop over the tile is unrolled completely (nb, mb are constants at each call site): an accumulator
+ * array the compiler cannot scalarize is kept on the stack, and the spills, not the FMAs, set the pace. The k
+ * loop steps 16 (K is a multiple of 16) with one prefetch per weight row and step, no branch inside. */
 static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, const float *x, int64_t K, int nb,
                                                                 int mb, int64_t pf, float *res, int int8) {
-    __m256 acc[NB_DECODE][4]; /* tiles of up to 4 x 3, or 8 x 1 when decoding (see NB_DECODE) */
+    __m256 acc[NB_DECODE][MB_MAX];
+#pragma GCC unroll 8
     for (int i = 0; i < nb; i++)
+#pragma GCC unroll 8
         for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv[4];
-        for (int j = 0; j < mb; j++) xv[j] = _mm256_loadu_ps(x + j * K + k);
+    for (int64_t k = 0; k < K; k += 16) {
+#pragma GCC unroll 8
         for (int i = 0; i < nb; i++) {
-            __m256 wv;
             if (int8) {
-                const int8_t *wi = (const int8_t *)w + i * K + k;
-                if ((k & 63) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
-                wv = load_i8x8(wi);
+                if ((k & 63) == 0) _mm_prefetch((const char *)((const int8_t *)w + i * K + k + pf), _MM_HINT_T0);
             } else {
-                const bf16 *wi = (const bf16 *)w + i * K + k;
-                if ((k & 31) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
-                wv = load_bf16x8(wi);
+                _mm_prefetch((const char *)((const bf16 *)w + i * K + k + pf), _MM_HINT_T0);
             }
-            for (int j = 0; j < mb; j++) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+#pragma GCC unroll 2
+        for (int64_t s = k; s < k + 16; s += 8) {
+            __m256 wv[NB_DECODE];
+#pragma GCC unroll 8
+            for (int i = 0; i < nb; i++)
+                wv[i] = int8 ? load_i8x8((const int8_t *)w + i * K + s) : load_bf16x8((const bf16 *)w + i * K + s);
+#pragma GCC unroll 8
+            for (int j = 0; j < mb; j++) {
+                const __m256 xv = _mm256_loadu_ps(x + j * K + s);
+#pragma GCC unroll 8
+                for (int i = 0; i < nb; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+            }
         }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < nb; i++)
+#pragma GCC unroll 8
         for (int j = 0; j < mb; j++) res[i * mb + j] = sum8(acc[i][j]);
 }
+
+/* Weight rows per tile for M input rows (at most 16: tiles stay inside one work-shared block of 16). */
+static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : M == 2 ? 4 : M == 3 ? 3 : NB_VERIFY; }
+
+/* Input rows of the chunk starting at row m: ceil(M / MB_MAX) chunks of near-equal size (7 rows go as 4 + 3,
+ * never 6 + 1, whose single row would leave the FMAs waiting on 2 chains). */
+static inline int input_chunk(int64_t M, int64_t m) {
+    const int64_t chunks = (M + MB_MAX - 1) / MB_MAX, base = M / chunks, extra = M % chunks;
+    /* the first `extra` chunks take base + 1 rows */
+    return (int)(m < extra * (base + 1) ? base + 1 : base);
+}
+
+#define TILE_SWITCH(FN, W, X)                                                                              \
+    switch (nb * 8 + mb) {                                                                                 \
+        case 8 + 1: FN(W, X, K, 1, 1, pf, res); break;                                                     \
+        case 8 + 2: FN(W, X, K, 1, 2, pf, res); break;                                                     \
+        case 8 + 3: FN(W, X, K, 1, 3, pf, res); break;                                                     \
+        case 8 + 4: FN(W, X, K, 1, 4, pf, res); break;                                                     \
+        case 8 + 5: FN(W, X, K, 1, 5, pf, res); break;                                                     \
+        case 8 + 6: FN(W, X, K, 1, 6, pf, res); break;                                                     \
+        case 16 + 1: FN(W, X, K, 2, 1, pf, res); break;                                                    \
+        case 16 + 2: FN(W, X, K, 2, 2, pf, res); break;                                                    \
+        case 16 + 3: FN(W, X, K, 2, 3, pf, res); break;                                                    \
+        case 16 + 4: FN(W, X, K, 2, 4, pf, res); break;                                                    \
+        case 16 + 5: FN(W, X, K, 2, 5, pf, res); break;                                                    \
+        case 16 + 6: FN(W, X, K, 2, 6, pf, res); break;                                                    \
+        case 24 + 1: FN(W, X, K, 3, 1, pf, res); break;                                                    \
+        case 24 + 2: FN(W, X, K, 3, 2, pf, res); break;                                                    \
+        case 24 + 3: FN(W, X, K, 3, 3, pf, res); break;                                                    \
+        case 32 + 1: FN(W, X, K, 4, 1, pf, res); break;                                                    \
+        case 32 + 2: FN(W, X, K, 4, 2, pf, res); break;                                                    \
+        case 64 + 1: FN(W, X, K, 8, 1, pf, res); break;                                                    \
+        default: abort(); /* tile_rows and input_chunk make no other shape */                              \
+    }
 #else
 static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int nb, int mb, int64_t pf, float *res,
                                  int int8) {
@@ -231,6 +283,11 @@ static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int n
 #ifndef NB_DECODE
 #define NB_DECODE 4 /* weight rows per tile for a single input row */
 #endif
+#ifndef SD_AVX2
+/* Other paths: tiles of up to 4 weight rows x MB_MAX input rows. */
+static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : 4; }
+static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (int)(M - m) : MB_MAX; }
+#endif
 /* int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k]. */
 #define dot_tile_i8(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 1)
 
@@ -243,6 +300,7 @@ typedef float xin_t;
 #endif
 
 /* Constant tile shapes let the compiler keep the accumulators in registers. */
+#ifndef TILE_SWITCH
 #define TILE_SWITCH(FN, W, X)                       \
     switch (nb * 4 + mb) {                          \
         case 5: FN(W, X, K, 1, 1, pf, res); break;  \
@@ -262,6 +320,7 @@ typedef float xin_t;
         case 19: FN(W, X, K, 4, 3, pf, res); break; \
         default: FN(W, X, K, 4, 4, pf, res); break; \
     }
+#endif
 
 /* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially).
  * bf16 weights read xin; int8 weights (scale != NULL, one scale per output) read x32, x widened to fp32. */
@@ -273,11 +332,12 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
         for (int64_t n = blk * block; n < n_end;) {
-            int nb = n_end - n < 4 ? (int)(n_end - n) : 4;
-            if (NB_DECODE > 4 && M == 1 && n_end - n >= NB_DECODE) nb = NB_DECODE;
-            for (int64_t m = 0; m < M; m += MB_MAX) {
-                const int mb = M - m < MB_MAX ? (int)(M - m) : MB_MAX;
-                float res[16];
+            /* a full tile where the block has room for one, else at most 4 rows (the block's last ones) */
+            int nb = tile_rows(M);
+            if (n_end - n < nb) nb = n_end - n < 4 ? (int)(n_end - n) : 4;
+            for (int64_t m = 0; m < M;) {
+                const int mb = input_chunk(M, m);
+                float res[NB_DECODE * MB_MAX];
                 if (scale) {
                     const int8_t *wrow = (const int8_t *)w + n * K;
                     if (nb > 4)
@@ -298,6 +358,7 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
                         if (bias) v += bf2f(bias[n + i]);
                         y[(m + j) * N + n + i] = f2bf(v);
                     }
+                m += mb;
             }
             n += nb;
         }
