@@ -34,7 +34,7 @@ from specdraft.bench.runtime_bench import (
     summarize_runs,
     weight_bytes_per_token,
 )
-from specdraft.bench.specbench import PromptBuilder, build_results, parse_methods, run_suite, warm_up
+from specdraft.bench.specbench import PromptBuilder, build_results, method_tree, parse_methods, run_suite, warm_up
 from specdraft.bench.suite import (
     DEFAULT_SUITE,
     GROUPS,
@@ -402,6 +402,12 @@ def test_parse_methods_and_peers():
     assert parse_methods("ngram,plain") == ["plain", "ngram"]
     with pytest.raises(SpecdraftError, match="duplicate"):
         parse_methods("ngram,ngram")
+    # A method may carry its own tree size; others take --tree.
+    assert method_tree("ngram+tree16", 0) == ("ngram", 16)
+    assert method_tree("quant:int8+tree0", 8) == ("quant:int8", 0)
+    assert method_tree("ngram", 8) == ("ngram", 8)
+    with pytest.raises(SpecdraftError, match=r"'ngram\+tree99': \+tree takes a tree size"):
+        method_tree("ngram+tree99", 0)
     assert parse_peers("hf,llamacpp") == ["hf-bf16", "hf-fp32", "llamacpp"]
     assert parse_peers("hf-fp32,hf") == ["hf-fp32", "hf-bf16"]
     assert parse_peers("") == [] and parse_peers(None) == []

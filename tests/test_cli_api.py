@@ -33,6 +33,9 @@ def test_cli_reports_user_errors_without_a_traceback(argv, message, capsys):
     (["generate", "hi", "--max-tokens", "-5"], "argument --max-tokens: must be an integer >= 1, got -5"),
     (["demo", "-k", "99"], "must be an integer in [0, 64], got 99"),
     (["bench", "-k", "-1"], "must be an integer in [0, 64], got -1"),
+    (["generate", "hi", "--tree", "32"], "argument --tree: must be an integer in [0, 31], got 32"),
+    (["demo", "--tree", "-1"], "argument --tree: must be an integer in [0, 31], got -1"),
+    (["bench", "--tree", "x"], "argument --tree: expected an integer, got 'x'"),
 ])
 def test_cli_names_the_flag_the_user_typed(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -55,6 +58,9 @@ def test_one_name_per_concept_with_the_old_spellings_accepted():
         SpecConfig(model="m", num_speculative_tokens=-3)
     with pytest.raises(InvalidParameterError, match="max_batch"):
         SpecConfig(model="m", max_batch=0)
+    with pytest.raises(InvalidParameterError, match=r"config: 'tree' must be an integer in \[0, 31\]"):
+        SpecConfig.from_dict({"model": "m", "tree": 64})
+    assert SpecConfig.from_dict({"model": "m", "tree": 16}).tree == 16
     assert issubclass(InvalidParameterError, SpecdraftError)
 
 
@@ -93,12 +99,13 @@ def test_nonsense_sampling_parameters(kwargs):
 def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps({"model": "smollm2-135m", "draft_model": "ngram", "speculation_length": 4,
-                                  "max_model_len": 256, "max_batch": 2}))
+                                  "max_model_len": 256, "max_batch": 2, "tree": 8}))
     llm = LLM(str(config), progress=False)
     params = SamplingParams(temperature=0, max_tokens=24)
     messages = [{"role": "user", "content": "List three colours, then list them again."}]
     out = llm.chat(messages, params)[0]
     assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].token_ids
+    assert llm.engine.tree == 8
     assert out.metrics.target_forwards > 0 and llm.metrics.generated_tokens == len(out.outputs[0].token_ids)
     streamed = "".join(chunk.text for chunk in llm.stream(messages[0]["content"], params, chat=True))
     assert streamed == out.text
