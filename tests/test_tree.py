@@ -126,8 +126,8 @@ def synthetic_counts(shape, mode, n, verify=tree_rejection_verify, seed=0):
     return counts, exact
 
 
-@pytest.mark.parametrize("mode", ["iid", "without", "topk"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape, mode", [("siblings", "iid"), ("two levels", "without"), ("deep", "topk"),
+                                         ("two levels", "topk")])
 def test_tree_sampler_keeps_the_target_distribution(shape, mode):
     counts, exact = synthetic_counts(SHAPES[shape], mode, 20_000)
     ok, p_value, tv = matches(counts, exact)
@@ -254,6 +254,18 @@ def test_tree_speculative_sampling_through_the_engine(small_pair, shape):
     assert eng.totals.tree_rounds >= NUM_SAMPLES and 0 < eng.totals.accepted < 2 * eng.totals.tree_rounds
     ok, p_value, tv = matches(counts, exact_joint_2_3(target, params))
     assert ok, f"{shape}: tree sampling through the engine differs (p={p_value:.2e}, TV={tv:.4f})"
+
+
+def test_model_drafter_trees_keep_the_target_distribution(small_pair):
+    """A draft model's top-k trees (deterministic children) at temperature 0.8, 20,000 requests."""
+    target, draft = small_pair
+    params = SamplingParams(temperature=0.8)
+    eng = tree_engine(target, ModelDrafter(draft, max_len=64, max_batch=BATCH), k=2, tree=6, max_len=64,
+                      max_batch=BATCH)
+    counts = sample_joint_2_3(eng, params, NUM_SAMPLES)
+    assert eng.totals.tree_rounds >= NUM_SAMPLES and eng.totals.accepted > 0
+    ok, p_value, tv = matches(counts, exact_joint_2_3(target, params))
+    assert ok, f"model-drafter trees differ from the target (p={p_value:.2e}, TV={tv:.4f})"
 
 
 def test_engine_distribution_test_catches_a_broken_tree_verifier(small_pair, monkeypatch):

@@ -177,12 +177,13 @@ class ModelDrafter:
             for i in range(len(states)):
                 if level > depths[i]:
                     continue
-                log_probs = torch.log_softmax(logits[i].float(), -1)
+                log_probs = _tree_log_probs(logits[i], states[i].params)
                 for row, parent in enumerate(frontier[i]):
                     base = 0.0 if parent == ROOT else candidates[i][parent].score
                     top = torch.topk(log_probs[row], min(TREE_TOP_K, max_nodes[i]))
                     for lp, token in zip(top.values.tolist(), top.indices.tolist()):
-                        candidates[i].append(_Node(int(token), parent, level, base + lp))
+                        if lp > float("-inf"):  # top-k / top-p may leave fewer tokens than TREE_TOP_K
+                            candidates[i].append(_Node(int(token), parent, level, base + lp))
             growing = [i for i in range(len(states)) if level < depths[i]]
             if not growing:
                 break
@@ -282,6 +283,15 @@ class ModelDrafter:
         kept = state.proposed_at + min(verified.num_accepted, state.num_proposed - 1)
         self.cache.commit(state.slot, min(kept, self.cache.length(state.slot)))
         state.num_proposed = 0
+
+
+def _tree_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Scores for growing a tree: the draft's log-probabilities under the request's own sampling rules (a
+    one-hot child is accepted with the target's probability of it at that temperature, so the tempered draft
+    distribution is the estimate), or plain log-softmax when greedy."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), -1)
+    return logits_to_probs(logits, params).log()
 
 
 def _best_tree(candidates: list[_Node], max_nodes: int) -> Proposal:
