@@ -66,7 +66,7 @@ def prefilled(model: Transformer, prompt: torch.Tensor, max_len: int = 256):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32])
 def test_linear_kernel_matches_fp32_and_rows_are_independent(rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(37, 96, generator=gen).to(torch.bfloat16)  # 37 outputs: partial tiles at the end

@@ -79,6 +79,29 @@ static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t D) {
     for (int64_t d = 0; d < D; d += LANES) acc = _mm512_fmadd_ps(load_bf16x16(k + d), _mm512_loadu_ps(q + d), acc);
     return _mm512_reduce_add_ps(acc);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float reduce_lanes(float *acc) {
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+    return acc[0];
+}
+
+/* The 16 lanes of the portable loop below as two 8-lane halves, lo (lanes 0-7) and hi (8-15): the same FMAs,
+ * and the same reduction (lanes l += l + 8, then l += l + 4, l += l + 2, l += l + 1). */
+static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t D) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += LANES) {
+        const __m256i kw = _mm256_loadu_si256((const __m256i *)(k + d));
+        const __m256i klo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(kw));
+        const __m256i khi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(kw, 1));
+        lo = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(klo, 16)), _mm256_loadu_ps(q + d), lo);
+        hi = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(khi, 16)), _mm256_loadu_ps(q + d + 8), hi);
+    }
+    const __m256 v = _mm256_add_ps(lo, hi);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
 #else
 static inline float reduce_lanes(float *acc) {
     for (int s = LANES / 2; s > 0; s /= 2)
@@ -165,7 +188,8 @@ static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, c
  * the ports the FMAs need too, so the more input rows share each widened weight the closer a verification
  * block gets to the FMA peak: 2 weight rows x up to 6 input rows (15 registers) from 4 input rows on, each
  * weight tile being widened once per chunk of 6 rows. One input row (decoding, memory-bound) takes 8 weight
- * rows, 8 independent FMA chains, 8 weight streams in flight. */
+ * rows, 8 independent FMA chains, 8 weight streams in flight. With bf16 weights, blocks of 4 rows and more go
+ * to the panel tiles below (3 weight rows x up to 4 input rows); the int8 draft keeps these. */
 #define MB_MAX 6    /* input rows per tile, from 4 input rows on */
 #define NB_VERIFY 2 /* weight rows per tile, from 4 input rows on */
 #define NB_DECODE 8
@@ -223,16 +247,184 @@ static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, c
         for (int j = 0; j < mb; j++) res[i * mb + j] = sum8(acc[i][j]);
 }
 
+/* Verification blocks (from 4 input rows on): tiles of 3 weight rows x up to 4 input rows, 12 accumulators, the
+ * 3 widened weight vectors and one input vector: all 16 ymm registers, 7 loads per 12 FMAs. The first chunk of
+ * input rows widens the 3 weight rows from bf16 and (when more chunks follow) stores them, exactly, as fp32 into
+ * a per-thread panel that stays in L1; the next chunks read the panel, with no widening at all. Each pair keeps
+ * its accumulator updated in k order and reduced by sum8, as in dot_tile_wide: the same bits. */
+#define NB_PANEL 3
+#define MB_PANEL 4
+#define PANEL_BLOCK 24 /* output features per work-shared block: a multiple of NB_PANEL */
+
+enum { PANEL_NONE, PANEL_STORE, PANEL_READ };
+
+static inline __attribute__((always_inline)) void dot_tile_panel(const bf16 *w, float *panel, const float *x,
+                                                                 int64_t K, int nb, int mb, int mode, int64_t pf,
+                                                                 float *res) {
+    __m256 acc[NB_PANEL][MB_PANEL];
+#pragma GCC unroll 4
+    for (int i = 0; i < nb; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (mode != PANEL_READ) {
+#pragma GCC unroll 4
+            for (int i = 0; i < nb; i++) _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
+        for (int64_t s = k; s < k + 16; s += 8) {
+            __m256 wv[NB_PANEL];
+#pragma GCC unroll 4
+            for (int i = 0; i < nb; i++) {
+                if (mode == PANEL_READ) {
+                    wv[i] = _mm256_loadu_ps(panel + i * K + s);
+                } else {
+                    wv[i] = load_bf16x8(w + i * K + s);
+                    if (mode == PANEL_STORE) _mm256_storeu_ps(panel + i * K + s, wv[i]);
+                }
+                __asm__("" : "+x"(wv[i])); /* held in a register for the mb FMAs */
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < mb; j++) {
+                __m256 xv = _mm256_loadu_ps(x + j * K + s);
+                __asm__("" : "+x"(xv)); /* one load per input vector, not one folded into each FMA */
+#pragma GCC unroll 4
+                for (int i = 0; i < nb; i++) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < nb; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < mb; j++) res[i * mb + j] = sum8(acc[i][j]);
+}
+
+/* The 3 x 4 tile reading the panel, the bulk of a verification block's FMAs, in assembly: compilers spill
+ * some of the 16 registers it needs. The same operations as dot_tile_panel (vfmadd231ps acc += w * x, one per
+ * pair and 8 k), in the same order. */
+#define SD_FMA12(O)                                                                                        \
+    "vmovups " O "(%[x0],%[k],4), %%ymm15\n\t"                                                               \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm0\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm4\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm14, %%ymm8\n\t"                                                              \
+    "vmovups " O "(%[x1],%[k],4), %%ymm15\n\t"                                                               \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm1\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm5\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm14, %%ymm9\n\t"                                                              \
+    "vmovups " O "(%[x2],%[k],4), %%ymm15\n\t"                                                               \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm2\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm6\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm14, %%ymm10\n\t"                                                             \
+    "vmovups " O "(%[x3],%[k],4), %%ymm15\n\t"                                                               \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm3\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm7\n\t"                                                              \
+    "vfmadd231ps %%ymm15, %%ymm14, %%ymm11\n\t"
+#define SD_ZERO12                                                                                          \
+    "vxorps %%xmm0, %%xmm0, %%xmm0\n\tvxorps %%xmm1, %%xmm1, %%xmm1\n\tvxorps %%xmm2, %%xmm2, %%xmm2\n\t"       \
+    "vxorps %%xmm3, %%xmm3, %%xmm3\n\tvxorps %%xmm4, %%xmm4, %%xmm4\n\tvxorps %%xmm5, %%xmm5, %%xmm5\n\t"       \
+    "vxorps %%xmm6, %%xmm6, %%xmm6\n\tvxorps %%xmm7, %%xmm7, %%xmm7\n\tvxorps %%xmm8, %%xmm8, %%xmm8\n\t"       \
+    "vxorps %%xmm9, %%xmm9, %%xmm9\n\tvxorps %%xmm10, %%xmm10, %%xmm10\n\tvxorps %%xmm11, %%xmm11, %%xmm11\n\t"
+#define SD_SAVE12                                                                                          \
+    "vmovups %%ymm0, (%[acc])\n\tvmovups %%ymm1, 32(%[acc])\n\tvmovups %%ymm2, 64(%[acc])\n\t"                 \
+    "vmovups %%ymm3, 96(%[acc])\n\tvmovups %%ymm4, 128(%[acc])\n\tvmovups %%ymm5, 160(%[acc])\n\t"             \
+    "vmovups %%ymm6, 192(%[acc])\n\tvmovups %%ymm7, 224(%[acc])\n\tvmovups %%ymm8, 256(%[acc])\n\t"            \
+    "vmovups %%ymm9, 288(%[acc])\n\tvmovups %%ymm10, 320(%[acc])\n\tvmovups %%ymm11, 352(%[acc])\n\t"          \
+    "vzeroupper\n\t"
+#define SD_CLOBBER12                                                                                       \
+    "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", \
+        "xmm13", "xmm14", "xmm15", "cc", "memory"
+
+/* Reads the 3 rows of the panel. */
+static void dot_panel_3x4(const float *panel, const float *x, int64_t K, float *res) {
+    float acc[12 * 8]; /* pair (i, j) at acc[(i * 4 + j) * 8]; in ymm(i * 4 + j) inside the loop */
+    const float *p0 = panel, *p1 = panel + K, *p2 = panel + 2 * K;
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    int64_t k = 0;
+#define SD_LOAD3(O)                                                                                        \
+    "vmovups " O "(%[p0],%[k],4), %%ymm12\n\tvmovups " O "(%[p1],%[k],4), %%ymm13\n\t"                        \
+    "vmovups " O "(%[p2],%[k],4), %%ymm14\n\t"
+    __asm__ volatile(SD_ZERO12 "1:\n\t" SD_LOAD3("0") SD_FMA12("0") SD_LOAD3("32") SD_FMA12("32")
+                     "addq $16, %[k]\n\t"
+                     "cmpq %[K], %[k]\n\t"
+                     "jl 1b\n\t" SD_SAVE12
+                     : [k] "+r"(k)
+                     : [acc] "r"(acc), [p0] "r"(p0), [p1] "r"(p1), [p2] "r"(p2), [x0] "r"(x0), [x1] "r"(x1),
+                       [x2] "r"(x2), [x3] "r"(x3), [K] "m"(K)
+                     : SD_CLOBBER12);
+#undef SD_LOAD3
+    for (int i = 0; i < 12; i++) res[i] = sum8(_mm256_loadu_ps(acc + 8 * i));
+}
+
+/* Widens the 3 weight rows from bf16 as it goes and stores them into the panel for the next chunks. Prefetches
+ * run over the rows from pf weights ahead (4 rows' worth of lines per tile of 3: some are fetched twice). */
+static void dot_panel_3x4_widen(const bf16 *w, float *panel, const float *x, int64_t K, int64_t pf, float *res) {
+    float acc[12 * 8];
+    const bf16 *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *wpf = w + pf;
+    float *p0 = panel, *p1 = panel + K, *p2 = panel + 2 * K;
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K;
+    int64_t k = 0;
+#define SD_WIDEN3(O, OW)                                                                                   \
+    "vpmovzxwd " OW "(%[w0],%[k],2), %%ymm12\n\tvpslld $16, %%ymm12, %%ymm12\n\t"                             \
+    "vmovups %%ymm12, " O "(%[p0],%[k],4)\n\t"                                                               \
+    "vpmovzxwd " OW "(%[w1],%[k],2), %%ymm13\n\tvpslld $16, %%ymm13, %%ymm13\n\t"                             \
+    "vmovups %%ymm13, " O "(%[p1],%[k],4)\n\t"                                                               \
+    "vpmovzxwd " OW "(%[w2],%[k],2), %%ymm14\n\tvpslld $16, %%ymm14, %%ymm14\n\t"                             \
+    "vmovups %%ymm14, " O "(%[p2],%[k],4)\n\t"
+    __asm__ volatile(SD_ZERO12 "1:\n\t"
+                     "prefetcht0 (%[wpf],%[k],8)\n\tprefetcht0 64(%[wpf],%[k],8)\n\t"
+                     SD_WIDEN3("0", "0") SD_FMA12("0") SD_WIDEN3("32", "16") SD_FMA12("32")
+                     "addq $16, %[k]\n\t"
+                     "cmpq %[K], %[k]\n\t"
+                     "jl 1b\n\t" SD_SAVE12
+                     : [k] "+r"(k)
+                     : [acc] "r"(acc), [w0] "r"(w0), [w1] "r"(w1), [w2] "r"(w2), [p0] "r"(p0), [p1] "r"(p1),
+                       [p2] "r"(p2), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [wpf] "r"(wpf),
+                       [K] "m"(K)
+                     : SD_CLOBBER12);
+#undef SD_WIDEN3
+    for (int i = 0; i < 12; i++) res[i] = sum8(_mm256_loadu_ps(acc + 8 * i));
+}
+
+#define PANEL_CASE(NB, MB)                                                                                 \
+    case NB * 8 + MB:                                                                                      \
+        if (mode == PANEL_READ)                                                                            \
+            dot_tile_panel(w, panel, x, K, NB, MB, PANEL_READ, pf, res);                                   \
+        else if (mode == PANEL_STORE)                                                                      \
+            dot_tile_panel(w, panel, x, K, NB, MB, PANEL_STORE, pf, res);                                  \
+        else                                                                                               \
+            dot_tile_panel(w, panel, x, K, NB, MB, PANEL_NONE, pf, res);                                   \
+        break;
+
+static void panel_tile(const bf16 *w, float *panel, const float *x, int64_t K, int nb, int mb, int mode,
+                       int64_t pf, float *res) {
+    if (nb == 3 && mb == 4 && K > 0 && mode != PANEL_NONE) {
+        if (mode == PANEL_READ)
+            dot_panel_3x4(panel, x, K, res);
+        else
+            dot_panel_3x4_widen(w, panel, x, K, pf, res);
+        return;
+    }
+    switch (nb * 8 + mb) {
+        PANEL_CASE(1, 1) PANEL_CASE(1, 2) PANEL_CASE(1, 3) PANEL_CASE(1, 4)
+        PANEL_CASE(2, 1) PANEL_CASE(2, 2) PANEL_CASE(2, 3) PANEL_CASE(2, 4)
+        PANEL_CASE(3, 1) PANEL_CASE(3, 2) PANEL_CASE(3, 3) PANEL_CASE(3, 4)
+        default: abort();
+    }
+}
+#define HAVE_PANEL 1
+
 /* Weight rows per tile for M input rows (at most 16: tiles stay inside one work-shared block of 16). */
 static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : M == 2 ? 4 : M == 3 ? 3 : NB_VERIFY; }
 
 /* Input rows of the chunk starting at row m: ceil(M / MB_MAX) chunks of near-equal size (7 rows go as 4 + 3,
  * never 6 + 1, whose single row would leave the FMAs waiting on 2 chains). */
-static inline int input_chunk(int64_t M, int64_t m) {
-    const int64_t chunks = (M + MB_MAX - 1) / MB_MAX, base = M / chunks, extra = M % chunks;
+static inline int input_chunk_of(int64_t M, int64_t m, int64_t most) {
+    const int64_t chunks = (M + most - 1) / most, base = M / chunks, extra = M % chunks;
     /* the first `extra` chunks take base + 1 rows */
     return (int)(m < extra * (base + 1) ? base + 1 : base);
 }
+
+static inline int input_chunk(int64_t M, int64_t m) { return input_chunk_of(M, m, MB_MAX); }
 
 #define TILE_SWITCH(FN, W, X)                                                                              \
     switch (nb * 8 + mb) {                                                                                 \
@@ -322,11 +514,51 @@ typedef float xin_t;
     }
 #endif
 
+#ifdef HAVE_PANEL
+/* Verification blocks with bf16 weights (see dot_tile_panel), work-shared over blocks of PANEL_BLOCK outputs. */
+static void linear_panel_for(const float *x, const void *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                             int64_t K) {
+    const int64_t pf = (int64_t)sd_prefetch_tiles * 4 * K;
+    const int64_t nblocks = (N + PANEL_BLOCK - 1) / PANEL_BLOCK;
+    /* this thread's panel; without one (no memory) every chunk widens the weights itself: the same bits */
+    float *panel = malloc((size_t)(NB_PANEL * K) * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n_end = (blk + 1) * PANEL_BLOCK < N ? (blk + 1) * PANEL_BLOCK : N;
+        for (int64_t n = blk * PANEL_BLOCK; n < n_end;) {
+            const int nb = n_end - n < NB_PANEL ? (int)(n_end - n) : NB_PANEL;
+            const bf16 *wrow = (const bf16 *)w + n * K;
+            for (int64_t m = 0; m < M;) {
+                const int mb = input_chunk_of(M, m, MB_PANEL);
+                const int mode = !panel ? PANEL_NONE : m == 0 ? PANEL_STORE : PANEL_READ;
+                float res[NB_PANEL * MB_PANEL];
+                panel_tile(wrow, panel, x + m * K, K, nb, mb, mode, pf, res);
+                for (int i = 0; i < nb; i++)
+                    for (int j = 0; j < mb; j++) {
+                        float v = res[i * mb + j];
+                        if (bias) v += bf2f(bias[n + i]);
+                        y[(m + j) * N + n + i] = f2bf(v);
+                    }
+                m += mb;
+            }
+            n += nb;
+        }
+    }
+    free(panel);
+}
+#endif
+
 /* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially).
  * bf16 weights read xin; int8 weights (scale != NULL, one scale per output) read x32, x widened to fp32. */
 static void linear_for(const xin_t *xin, const float *x32, const void *w, const bf16 *scale, const bf16 *bias,
                        bf16 *y, int64_t M, int64_t N, int64_t K) {
     const int64_t pf = (int64_t)sd_prefetch_tiles * 4 * K;
+#ifdef HAVE_PANEL
+    if (!scale && M >= 4) {
+        linear_panel_for(xin, w, bias, y, M, N, K);
+        return;
+    }
+#endif
     const int64_t block = 16, nblocks = (N + block - 1) / block;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
@@ -508,9 +740,15 @@ static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
 
 /* gate_up [rows, 2I] -> out [rows, I] = act(gate) * up; act is SiLU or tanh-approximated GELU. */
 static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I, int gelu) {
-#pragma omp for schedule(static)
-    for (int64_t idx = 0; idx < rows * I; idx++) {
-        const int64_t r = idx / I, i = idx % I;
+    /* this thread's contiguous share of rows * I, walked by (row, feature) without a division per element */
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    const int64_t lo = rows * I * t / nt, hi = rows * I * (t + 1) / nt;
+    int64_t r = lo / I, i = lo % I;
+    for (int64_t idx = lo; idx < hi; idx++, i = i + 1 == I ? (r++, 0) : i + 1) {
         const float g = bf2f(gate_up[r * 2 * I + i]), u = bf2f(gate_up[r * 2 * I + I + i]);
         float a;
         if (gelu)
@@ -519,6 +757,7 @@ static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I,
             a = g / (1.0f + expf(-g));
         out[idx] = f2bf(a * u);
     }
+#pragma omp barrier
 }
 
 /* ---- the decoder layers ------------------------------------------------------------------------------ */
