@@ -1,4 +1,4 @@
-"""Command line: `specdraft generate | models | convert | demo | bench | bench-runtime`."""
+"""Command line: `specdraft generate | models | convert | demo | serve | bench | bench-runtime`."""
 
 from __future__ import annotations
 
@@ -159,9 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     demo.set_defaults(func=cmd_demo)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)")
+    from specdraft.server.cli import add_arguments as add_serve_arguments
+    from specdraft.server.cli import cmd_serve
+
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
     from specdraft.bench.cli import add_bench_commands
 
     add_bench_commands(sub)
+
+    from specdraft.train.cli import add_commands as add_train_commands
+
+    add_train_commands(sub)  # distill, train eagle
 
     args = parser.parse_args(argv)
     try:

@@ -359,3 +359,15 @@ def test_shape_chooser_prefers_the_measured_faster_shape():
     for _ in range(200):
         chooser.update(arm := chooser.choose(), *speed[arm])
     assert chooser.best() == 16 and chooser.choose() == 16
+
+
+def test_a_new_request_starts_from_the_shapes_measured_so_far():
+    chooser = TreeShapeChooser(16, explore_every=8, max_wait=64)
+    speed = {16: (3, 0.060), 8: (2.8, 0.040), 4: (2.5, 0.025), 0: (2, 0.010)}
+    for _ in range(100):
+        chooser.update(arm := chooser.choose(), *speed[arm])
+    child = chooser.fork()
+    assert child.choose() == 0  # no shape is re-measured from scratch: the chain is already known best
+    assert child.rate(16) == chooser.rate(16) and child.wait == chooser.wait
+    child.update(0, 1, 0.010)
+    assert chooser.rate(0) != child.rate(0) or chooser.tokens[0] != child.tokens[0]  # independent copies

@@ -1,4 +1,5 @@
-"""Registers the benchmark subcommands on the main CLI: `bench`, `bench-runtime` and `bench-fallback`."""
+"""Registers the benchmark subcommands on the main CLI: `bench`, `bench-runtime`, `bench-fallback` and
+`bench-serve`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ COMMANDS = {
         "cost of an always-wrong drafter with automatic fallback, vs plain decoding",
         "Plain decoding vs a drafter whose tokens are always rejected, with and without adaptive fallback, "
         "interleaved on the same prompts; writes fallback.json."),
+    "bench-serve": (
+        "serve_bench", "run_serve_bench",
+        "the OpenAI server under concurrent streaming clients, speculation off and on",
+        "Streams the suite's prompts through the server at each concurrency level, plain and speculative "
+        "interleaved; throughput and TTFT/TPOT/ITL p50/p99; writes serve.json and serve.png."),
 }
 
 

@@ -9,7 +9,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
-DRAFTER_HELP = "ngram | quant:int4 | quant:int8 | self:N | draft:MODEL_REF | MODEL_REF"
+DRAFTER_HELP = "ngram | quant:int4 | quant:int8 | self:N | eagle:HEAD_DIR | draft:MODEL_REF | MODEL_REF"
 
 
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
@@ -55,6 +55,13 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
 
         return make_self_drafter(target, _int_arg(spec, arg), max_len=max_len, max_batch=max_batch,
                                  **take({"min_confidence"}))
+    if kind == "eagle":
+        from specdraft.drafters.eagle import make_eagle_drafter
+
+        if not arg:
+            raise SpecdraftError("the eagle drafter takes a head directory: eagle:PATH")
+        take(set())
+        return make_eagle_drafter(arg, target, max_len=max_len, max_batch=max_batch)
     ref = arg if kind == "draft" else spec
     from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
     from specdraft.runtime.loader import load_model, load_tokenizer

@@ -61,6 +61,17 @@ class TreeShapeChooser:
         self.due = dict.fromkeys(self.arms, 0)  # round from which an arm may be re-measured
         self.rounds = 0
 
+    def fork(self) -> TreeShapeChooser:
+        """A chooser for a new request that starts from these estimates (the machine's verification cost is
+        the same for every request, and recent text is the best guess for the next), so a request does not
+        pay again for measuring every shape; each shape keeps its current wait before re-measurement."""
+        child = TreeShapeChooser.__new__(TreeShapeChooser)
+        child.__dict__.update(self.__dict__)
+        child.tokens, child.seconds, child.wait = dict(self.tokens), dict(self.seconds), dict(self.wait)
+        child.rounds = 0
+        child.due = {arm: self.due[arm] - self.rounds for arm in self.arms}
+        return child
+
     def rate(self, arm: int) -> float | None:
         """Measured tokens per second of an arm (None before it ran)."""
         if arm not in self.seconds or self.seconds[arm] <= 0:

@@ -135,6 +135,9 @@ class Engine:
         self.max_model_len = context_limit(target, max_model_len)
         self.max_batch = max_batch
         self.tree = tree if self.drafter is not None else 0
+        # Every request's chain/tree measurements also feed this one, from which new requests start.
+        self.shapes = TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled \
+            else None
         # Room past any request's own limit for the padding of a batched verification block.
         self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
         self._free_slots = list(range(max_batch - 1, -1, -1))
@@ -173,7 +176,7 @@ class Engine:
             id=self._next_id, prompt_ids=prompt_ids, params=params, generator=generator,
             out=OutputAssembler(self.tokenizer, params),
             controller=DraftLengthController(self.num_speculative_tokens, self.adaptive),
-            shapes=TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled else None,
+            shapes=self.shapes.fork() if self.shapes is not None else None,
             metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._free_slots.pop(),
             started_at=time.perf_counter())
         self._next_id += 1
@@ -360,6 +363,7 @@ class Engine:
             r.controller.update(drafted, num_accepted, draft_time, verify_time, nodes)
             if drafted and shape is not None:
                 r.shapes.update(shape, num_accepted + 1, draft_time + verify_time)
+                self.shapes.update(shape, num_accepted + 1, draft_time + verify_time)
             if not drafted:
                 r.metrics.fallback_rounds += int(r.controller.in_fallback)
         last = CORRECTION if num_accepted < drafted else BONUS if drafted else TARGET

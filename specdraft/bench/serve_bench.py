@@ -1,0 +1,250 @@
+"""`specdraft bench-serve`: the OpenAI server under load, with speculation off and on.
+
+For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
+the suite's first turns (greedy, `ignore_eos` so every answer is `--max-tokens` long), against the same model
+served twice in this process: plain decoding and the drafter. Levels run interleaved (plain, then speculative,
+per level) so machine noise hits both alike. Reported per level and mode, as vLLM's `benchmark_serving` does:
+
+- throughput: output tokens / wall time of the level, and requests / s;
+- TTFT: request sent -> first content event; TPOT: (last - first event) / (output tokens - 1);
+- ITL: the gaps between content events (a speculative round sends its accepted tokens as one event, so
+  ITL is per event and TPOT per token);
+- p50 and p99 of each, the mean acceptance rate and mean accepted length from each response's `usage`.
+
+Writes `serve.json` and `serve.png` to `--out`. `--url` measures a server that is already running instead
+(one mode, labelled `external`). Clients and server share this process and its cores: on a small machine the
+absolute numbers are a little pessimistic, the plain/speculative comparison is fair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from specdraft.config import arg_draft_length, arg_int_in
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
+    return levels
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--speculative-model", "--draft", dest="speculative_model", default="ngram")
+    parser.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=arg_draft_length,
+                        default=5)
+    parser.add_argument("--suite", default=None, help="Spec-Bench style JSONL (default: the bundled mini suite)")
+    parser.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--requests", type=arg_int_in(1), default=None,
+                        help="requests per level (default: 2 x concurrency, at least 8)")
+    parser.add_argument("--max-tokens", type=arg_int_in(1), default=64)
+    parser.add_argument("--url", default=None, help="benchmark this running server instead (e.g. "
+                                                    "http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--out", default="bench-out/serve")
+
+
+# ------------------------------------------------------------------------------------------ the client
+
+
+async def _one_request(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    events: list[float] = []
+    usage: dict[str, Any] | None = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"error": event["error"].get("message", "error event")}
+            usage = event.get("usage") or usage
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                events.append(time.perf_counter())
+    done = time.perf_counter()
+    if not events or usage is None:
+        return {"error": "no content or no usage in the stream"}
+    tokens = usage["completion_tokens"]
+    return {"ttft_s": events[0] - sent, "e2e_s": done - sent, "tokens": tokens,
+            "tpot_s": (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else None,
+            "itl_s": [b - a for a, b in zip(events, events[1:])],
+            "acceptance_rate": usage.get("acceptance_rate"), "mean_accepted_length": usage.get("mean_accepted_length")}
+
+
+async def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
+                     api_key: str | None) -> tuple[list[dict[str, Any]], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=3600, limits=limits, headers=headers) as client:
+        async def run(prompt: str) -> dict[str, Any]:
+            async with gate:
+                try:
+                    return await _one_request(client, url, model, prompt, max_tokens)
+                except httpx.HTTPError as exc:
+                    return {"error": f"{type(exc).__name__}: {exc}"}
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        return list(results), time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no data."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    pos = (len(values) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
+
+def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    row: dict[str, Any] = {
+        "mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "error_examples": [r["error"] for r in results if "error" in r][:3], "output_tokens": tokens,
+        "duration_s": wall_s, "throughput_tok_s": tokens / wall_s if wall_s > 0 else None,
+        "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
+    }
+    series = {"ttft": [r["ttft_s"] for r in ok], "tpot": [r["tpot_s"] for r in ok],
+              "itl": [g for r in ok for g in r["itl_s"]], "e2e": [r["e2e_s"] for r in ok]}
+    for name, values in series.items():
+        for q in (50, 99):
+            p = _percentile(values, q)
+            row[f"{name}_ms_p{q}"] = p * 1000 if p is not None else None
+    for name in ("acceptance_rate", "mean_accepted_length"):
+        values = [r[name] for r in ok if r.get(name) is not None]
+        row[name] = sum(values) / len(values) if values else None
+    return row
+
+
+# ------------------------------------------------------------------------------------------ the servers
+
+
+@contextmanager
+def _served(engine: Any, tokenizer: Any, name: str) -> Iterator[str]:
+    from specdraft.server.app import create_app, serve_in_thread
+
+    with serve_in_thread(create_app(engine, tokenizer, name)) as url:
+        yield url
+
+
+def _servers(args: argparse.Namespace, max_batch: int):
+    """(mode -> base URL) context: plain and speculative engines over one loaded target."""
+    from contextlib import ExitStack
+
+    from specdraft.engine.core import build_engine
+    from specdraft.runtime.loader import load_model, load_tokenizer
+
+    stack = ExitStack()
+    target = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    plain = build_engine(target, tokenizer, None, 0, max_batch=max_batch)
+    spec = build_engine(target, tokenizer, args.speculative_model, args.num_speculative_tokens,
+                        max_batch=max_batch)
+    urls = {"plain": stack.enter_context(_served(plain, tokenizer, args.model)),
+            args.speculative_model: stack.enter_context(_served(spec, tokenizer, args.model))}
+    return stack, urls
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from specdraft.bench.machine import header, header_lines
+    from specdraft.bench.suite import load_suite
+
+    prompts_all = [q.turns[0] for q in load_suite(args.suite)]
+    levels = args.concurrency
+    if args.url:
+        from contextlib import ExitStack
+
+        stack, urls = ExitStack(), {"external": args.url.rstrip("/")}
+    else:
+        stack, urls = _servers(args, max(levels))
+    rows: list[dict[str, Any]] = []
+    with stack:
+        for url in urls.values():  # warm-up: kernels, caches, the first prefill
+            asyncio.run(_run_level(url, args.model, prompts_all[:1], 1, 4, args.api_key))
+        for concurrency in levels:
+            count = args.requests or max(8, 2 * concurrency)
+            prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]
+            for mode, url in urls.items():
+                results, wall = asyncio.run(_run_level(url, args.model, prompts, concurrency, args.max_tokens,
+                                                       args.api_key))
+                rows.append(summarize(mode, concurrency, results, wall))
+                _print_row(rows[-1])
+    out = {"header": {**header(), "model": args.model},
+           "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": args.requests,
+                      "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
+                      "suite": args.suite or "bundled mini suite", "url": args.url},
+           "results": rows}
+    print("\n".join(header_lines(out["header"])))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
+    _plot(rows, out_dir / "serve.png")
+    print(f"wrote {out_dir / 'serve.json'} and {out_dir / 'serve.png'}")
+    return out
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(f"{r['mode']:<10} c={r['concurrency']:<3} {_fmt(r['throughput_tok_s'])} tok/s  "
+          f"TTFT p50/p99 {_fmt(r['ttft_ms_p50'], '.0f')}/{_fmt(r['ttft_ms_p99'], '.0f')} ms  "
+          f"TPOT {_fmt(r['tpot_ms_p50'])}/{_fmt(r['tpot_ms_p99'])} ms  "
+          f"ITL {_fmt(r['itl_ms_p50'])}/{_fmt(r['itl_ms_p99'])} ms  "
+          f"acc {_fmt(r['acceptance_rate'], '.2f')}  errors {r['errors']}", flush=True)
+
+
+def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = [("throughput_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
+    for ax, (key, label) in zip(axes, panels):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            points = [(r["concurrency"], r[key]) for r in rows if r["mode"] == mode and r[key] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

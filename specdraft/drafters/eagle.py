@@ -1,0 +1,621 @@
+"""EAGLE-3 draft head (Li et al. 2025) and the drafter that runs it, in vLLM's EAGLE-3 checkpoint layout.
+
+The head is one decoder layer on top of the target's own features:
+
+    g_t  = fc(concat(a_t^low, a_t^mid, a_t^high))          3*dim -> dim, the target's residual streams
+    x_t  = concat(input_layernorm(embed(token_{t+1})), hidden_norm(g_t))     2*dim: q/k/v read both
+    r_t  = g_t + o_proj(attention(x))                                        (RoPE at position t)
+    h_t  = r_t + mlp(post_attention_layernorm(r_t))                          SwiGLU, the target's sizes
+    p_t  = softmax(lm_head(norm(h_t)))        over the draft vocabulary; predicts token_{t+2}
+
+The embedding is the target's (frozen, never stored). Draft id i is target id i + d2t[i]; t2d[v] says
+whether target id v is in the draft vocabulary. Drafting beyond the verified context feeds the head's own
+h_t (the layer's output before the final norm) in place of g_t, as EAGLE does.
+
+Feature bookkeeping (per request). The committed context is c_0 .. c_{n-1}; the target has computed
+features for c_0 .. c_{n-2} (c_{n-1} is the pending token, scored in the next verification). Head
+position t pairs feature t with token t+1, so exactly the positions 0 .. n-2 can be fed from target
+features, and position n-2's output drafts c_n. The head's KV cache (one layer, one slot per request) holds
+only positions fed with target features: `propose` first feeds those it has not seen (the prompt at the
+first proposal; later the pending token and accepted drafts of the last round, whose target features
+`observe` stored), then drafts chain or tree positions behind them and rolls the cache back to the target-
+feature part afterwards. Draft positions are never kept, because once verified their target features
+replace the head's own hidden states; so rollback is one `commit` and there is nothing to undo in
+`observe`, which only appends the rows of `Verified.hidden` whose tokens were committed: row 0 (the
+pending token) and row 1+i for each accepted node i. Rounds in which nothing was drafted (plain fallback)
+append row 0 alone, so the invariant "features known for all but the last context token" always holds.
+
+`aux_layer_ids` in the config are vLLM's numbering (the residual stream *entering* layer i, as vLLM's
+`eagle_aux_hidden_state_layer_ids`); the drafter's `hidden_layers` are ours (the stream *after* layer i),
+so ours are vLLM's minus one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.draft_model import TREE_BEAM, TREE_TOP_K, _best_tree, _Node
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.config import ModelConfig
+from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
+from specdraft.runtime.model import MLP, Attention, Linear, RMSNorm, Transformer, apply_rope, rope_inv_freq
+from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+
+CONFIG_FILE = "config.json"
+MAX_DRAFT_DEPTH = 64  # the engine's MAX_DRAFT_TOKENS
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default (2, L // 2, L - 3), clamped into 1 .. L-1 for small models (ids 1 .. L-1 enter layers
+    1 .. L-1, i.e. leave layers 0 .. L-2; id 0 would be the embeddings)."""
+    top = max(1, num_layers - 1)
+    ids = [2, num_layers // 2, num_layers - 3] if num_layers >= 6 else [1, max(1, num_layers // 2), top]
+    return [min(max(1, i), top) for i in ids]
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: list[int]  # vLLM numbering (see the module docstring)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    target: dict[str, Any] = field(default_factory=dict)  # what the head was trained for (name, fingerprint)
+
+    @classmethod
+    def for_target(cls, target: Transformer, draft_vocab_size: int | None = None,
+                   aux_layer_ids: Sequence[int] | None = None, **target_info: Any) -> EagleConfig:
+        cfg = target.config
+        return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.vocab_size, min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size),
+                   list(aux_layer_ids or default_aux_layer_ids(cfg.num_layers)), cfg.rms_norm_eps,
+                   cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dict(target_info))
+
+    @property
+    def hidden_layers(self) -> list[int]:
+        """Our capture indices (stream after layer i) of the three aux streams, in fc's input order."""
+        return [i - 1 for i in self.aux_layer_ids]
+
+    def model_config(self) -> ModelConfig:
+        """A Llama-style config for the runtime's attention/MLP modules."""
+        return ModelConfig.from_hf_dict({
+            "model_type": "llama", "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False, "hidden_act": "silu"})
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json as EAGLE-3 checkpoints for vLLM spell it, plus our own keys under `specdraft`."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "target_hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "tie_word_embeddings": False, "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+            "specdraft": {"format": 1, "target": self.target},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> EagleConfig:
+        try:
+            ids = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            return cls(int(raw["hidden_size"]), int(raw["intermediate_size"]), int(raw["num_attention_heads"]),
+                       int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+                       int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])),
+                       int(raw["vocab_size"]), int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+                       [int(i) for i in ids], float(raw.get("rms_norm_eps", 1e-6)),
+                       float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling"),
+                       int(raw.get("max_position_embeddings", 4096)), dict(raw.get("specdraft", {}).get("target", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SpecdraftError(f"not an EAGLE-3 head config (missing or bad {exc})") from exc
+
+
+class EagleHead(nn.Module):
+    """The draft head's weights and its two forwards: `step` against a KV cache (drafting) and `unroll`
+    (cache-free, autograd, training-time test over whole sequences)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.eagle = config
+        cfg = self.config = config.model_config()
+        cfg.layer_types = ["full"]
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = Linear(3 * dim, dim, bias=False)
+        self.input_layernorm = RMSNorm(dim, eps, False)
+        self.hidden_norm = RMSNorm(dim, eps, False)
+        self.attn = Attention(cfg, 0)
+        # q/k/v read the embedding and the feature side by side.
+        self.attn.wqkv = Linear(2 * dim, self.attn.wqkv.out_features, bias=False)
+        self.post_attention_layernorm = RMSNorm(dim, eps, False)
+        self.mlp = MLP(cfg)
+        self.norm = RMSNorm(dim, eps, False)
+        self.lm_head = Linear(dim, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
+        self.set_draft_vocab(torch.arange(min(config.draft_vocab_size, config.vocab_size)))
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """The draft vocabulary as target ids (any order; stored sorted, as EAGLE-3 does)."""
+        ids = torch.sort(torch.as_tensor(target_ids, dtype=torch.long).unique()).values
+        if len(ids) != self.eagle.draft_vocab_size:
+            raise ValueError(f"{len(ids)} distinct draft tokens for a draft vocabulary of "
+                             f"{self.eagle.draft_vocab_size}")
+        self.draft_to_target.copy_(ids)
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> EagleHead:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def trainable(self) -> EagleHead:
+        for p in self.parameters():
+            p.requires_grad_(True)
+        return self
+
+    def _apply(self, fn, recurse=True):  # keep the RoPE table fp32 (as the runtime does)
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
+                                      self.config.rope_scaling).to(self.lm_head.weight.device)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under EAGLE-3's names (q/k/v and gate/up split), as vLLM loads them."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        wq, wk, wv = self.attn.wqkv.weight.split([q, kv, kv])
+        gate, up = self.mlp.w_gate_up.weight.chunk(2)
+        tensors = {
+            "fc.weight": self.fc.weight, "midlayer.input_layernorm.weight": self.input_layernorm.weight,
+            "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+            "midlayer.self_attn.q_proj.weight": wq, "midlayer.self_attn.k_proj.weight": wk,
+            "midlayer.self_attn.v_proj.weight": wv, "midlayer.self_attn.o_proj.weight": self.attn.wo.weight,
+            "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
+            "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
+            "midlayer.mlp.down_proj.weight": self.mlp.w_down.weight, "norm.weight": self.norm.weight,
+            "lm_head.weight": self.lm_head.weight, "d2t": self.d2t, "t2d": self.t2d,
+        }
+        return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+    def load_vllm_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        try:
+            with torch.no_grad():
+                pairs = [
+                    (self.fc.weight, state["fc.weight"]),
+                    (self.input_layernorm.weight, state["midlayer.input_layernorm.weight"]),
+                    (self.hidden_norm.weight, state["midlayer.hidden_norm.weight"]),
+                    (self.attn.wqkv.weight, torch.cat([state[f"midlayer.self_attn.{p}_proj.weight"]
+                                                       for p in "qkv"])),
+                    (self.attn.wo.weight, state["midlayer.self_attn.o_proj.weight"]),
+                    (self.post_attention_layernorm.weight, state["midlayer.post_attention_layernorm.weight"]),
+                    (self.mlp.w_gate_up.weight, torch.cat([state["midlayer.mlp.gate_proj.weight"],
+                                                           state["midlayer.mlp.up_proj.weight"]])),
+                    (self.mlp.w_down.weight, state["midlayer.mlp.down_proj.weight"]),
+                    (self.norm.weight, state["norm.weight"]), (self.lm_head.weight, state["lm_head.weight"]),
+                ]
+                for dst, src in pairs:
+                    if dst.shape != src.shape:
+                        raise SpecdraftError(f"EAGLE head tensor of shape {tuple(src.shape)} where "
+                                             f"{tuple(dst.shape)} was expected")
+                    dst.copy_(src)
+                d2t = state["d2t"].long()
+                self.set_draft_vocab(torch.arange(len(d2t)) + d2t)
+        except KeyError as exc:
+            raise SpecdraftError(f"EAGLE head weights lack tensor {exc}") from exc
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        raw = self.eagle.to_hf_dict()
+        raw["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        (path / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+        save_file(self.vllm_state_dict(), str(path / WEIGHTS_FILE))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype | None = None,
+             device: torch.device | str = "cpu") -> EagleHead:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+            raise SpecdraftError(f"{path} is not an EAGLE head directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+        try:
+            raw = json.loads((path / CONFIG_FILE).read_text())
+        except json.JSONDecodeError as exc:
+            raise SpecdraftError(f"{path / CONFIG_FILE} is not valid JSON: {exc}") from exc
+        head = cls(EagleConfig.from_hf_dict(raw))
+        head.load_vllm_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        head.requires_grad_(False)
+        return head.to(device=device, dtype=dtype or torch.float32).eval()
+
+    def check_target(self, target: Transformer) -> None:
+        cfg, eagle = target.config, self.eagle
+        if (cfg.hidden_size, cfg.vocab_size) != (eagle.hidden_size, eagle.vocab_size):
+            raise SpecdraftError(
+                f"EAGLE head was made for hidden size {eagle.hidden_size} / vocab {eagle.vocab_size}, the target "
+                f"has {cfg.hidden_size} / {cfg.vocab_size}")
+        if any(not 0 <= layer < cfg.num_layers for layer in eagle.hidden_layers):
+            raise SpecdraftError(f"EAGLE head reads target layers {eagle.aux_layer_ids} (vLLM numbering); the "
+                                 f"target has {cfg.num_layers}")
+
+    # ------------------------------------------------------------------------------------------ forwards
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., 3*dim] target streams (low, mid, high concatenated) -> [..., dim]."""
+        return self.fc(aux)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return emb.cos().to(self.dtype), signed_sin.to(self.dtype)
+
+    def _inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def _finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits, the layer's output before the final norm) from the attention output."""
+        residual = hidden + attn_out
+        out = residual + self.mlp(self.post_attention_layernorm(residual))
+        return self.lm_head(self.norm(out)), out
+
+    @torch.inference_mode()
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache, slots: Sequence[int],
+             positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+             branch_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score T new head positions [B, T] behind each slot's committed length (nothing is committed), as
+        the runtime's `Transformer.forward` does for tokens: embeds [B, T, dim] (the target's embeddings of
+        token t+1), hidden [B, T, dim] (fused target features or the head's own outputs). Returns draft
+        logits [B, T, draft_vocab] and output hidden states [B, T, dim]."""
+        B, T, _ = embeds.shape
+        slots = list(slots)
+        cache.check_room(slots, T)
+        starts = [cache.lengths[s] for s in slots]
+        device = embeds.device
+        if positions is None:
+            positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)[None, :]
+        key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
+        # The runtime's mask builder, on a one-layer all-"full" config.
+        mask = Transformer._masks(self, starts, positions, tree_mask, key_len, branch_mask)["full"]
+        rows = torch.tensor(slots, device=device)[:, None]
+        index = (rows, torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device))
+        hidden = hidden.to(self.dtype)
+        attn_out = self.attn(self._inputs(embeds.to(self.dtype), hidden), self._rope(positions), cache.k[0],
+                             cache.v[0], tuple(slots), index, mask)
+        return self._finish(attn_out, hidden)
+
+    def unroll(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int,
+               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training-time test over whole sequences, cache-free and differentiable.
+
+        embeds [B, T + steps - 1, dim]: embeds[:, t] is the embedding of token t+1; fused [B, T, dim]: the
+        fused target feature of position t. Step 0 is the head on target features (row t predicts token
+        t+2); step s > 0 feeds the head's own step s-1 outputs, as drafting does: row t of step s is the head
+        at position t+s after s tokens it drafted itself, and attends to step 0's rows 0..t (the verified
+        context) and to row t of steps 1..s (its own earlier drafts). Returns the logits of every step
+        [B, T, draft_vocab]. valid [B, T] bool: real (not padding) positions of step 0 (default all).
+        """
+        B, T, _ = fused.shape
+        cfg = self.config
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = H // Hkv
+        causal = torch.ones(T, T, dtype=torch.bool, device=fused.device).tril()
+        if valid is not None:
+            causal = causal[None] & valid[:, None, :]
+        bias0 = torch.zeros(causal.shape, dtype=torch.float32, device=fused.device).masked_fill(~causal, float("-inf"))
+        bias0 = bias0[:, None] if bias0.dim() == 3 else bias0  # [B or 1, 1, T, T] after broadcasting
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        hidden = fused
+        out = []
+        for s in range(steps):
+            positions = (torch.arange(T, device=fused.device) + s)[None, :].expand(B, T)
+            x = self._inputs(embeds[:, s:s + T], hidden)
+            qkv = self.attn.wqkv(x).view(B, T, H + 2 * Hkv, D)
+            qk = apply_rope(qkv[:, :, :H + Hkv], *self._rope(positions))
+            q = qk[:, :, :H].transpose(1, 2)                                   # [B, H, T, D]
+            k = qk[:, :, H:].transpose(1, 2).repeat_interleave(G, dim=1)      # [B, H, T, D]
+            v = qkv[:, :, H + Hkv:].transpose(1, 2).repeat_interleave(G, dim=1)
+            keys.append(k)
+            values.append(v)
+            scale = cfg.attn_scale
+            scores = [(q @ keys[0].transpose(-1, -2)).float() * scale + bias0]
+            scores += [((q * keys[j]).sum(-1, keepdim=True)).float() * scale for j in range(1, s + 1)]
+            probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(q.dtype)
+            attn = probs[..., :T] @ values[0]
+            for j in range(1, s + 1):
+                attn = attn + probs[..., T + j - 1:T + j] * values[j]
+            attn_out = self.attn.wo(attn.transpose(1, 2).reshape(B, T, H * D))
+            logits, hidden = self._finish(attn_out, hidden)
+            out.append(logits)
+        return out
+
+
+def aux_features(hidden: dict[int, torch.Tensor], layers: Sequence[int], rows: Sequence[int] | None = None
+                 ) -> torch.Tensor:
+    """The three target streams of the given rows, concatenated in fc's order: [rows, 3*dim]."""
+    parts = [hidden[layer] if rows is None else hidden[layer][list(rows)] for layer in layers]
+    return torch.cat(parts, dim=-1).clone()
+
+
+@dataclass
+class _EagleState:
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    pending: list[torch.Tensor]  # aux features [m, 3*dim] of positions known but not yet fed to the head
+    known: int  # positions whose target features are known (fed + pending)
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE-3 head on the target's features (see the module docstring). The head is moved
+    to the target's device and dtype in place."""
+
+    def __init__(self, head: EagleHead, target: Transformer, name: str = "eagle", max_len: int = 4096,
+                 max_batch: int = 1) -> None:
+        head.check_target(target)
+        self.head = head.to(device=target.device, dtype=target.dtype).eval()
+        self.head.requires_grad_(False)
+        self.target = target
+        self.name = name
+        self.layers = head.eagle.hidden_layers
+        self.hidden_layers = tuple(sorted(set(self.layers)))
+        max_len = min(max_len, target.config.max_position_embeddings)
+        # Room behind the context for a chain or a tree (TREE_BEAM nodes per level but the last).
+        cfg = head.config
+        room = TREE_BEAM * MAX_DRAFT_DEPTH + 1
+        self.cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, max_len + room, max_batch, target.dtype,
+                             target.device)
+        self.max_len = max_len
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._states: dict[int, _EagleState] = {}
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add_request(self, request: DraftRequest) -> None:
+        if not self._free_slots:
+            raise SpecdraftError(f"drafter {self.name!r} serves {self.cache.num_slots} requests at once")
+        missing = [layer for layer in self.hidden_layers if layer not in request.prompt_hidden]
+        if missing:
+            raise SpecdraftError(f"the engine did not pass target layers {missing} to {self.name!r}")
+        aux = aux_features(request.prompt_hidden, self.layers)
+        state = _EagleState(self._free_slots.pop(), request.params, request.generator, [aux], aux.shape[0])
+        self.cache.reset(state.slot)
+        self._states[request.request_id] = state
+
+    def remove_request(self, request_id: int) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.reset(state.slot)
+            self._free_slots.append(state.slot)
+
+    def observe(self, request_id: int, verified: Verified) -> None:
+        state = self._states[request_id]
+        if not verified.hidden:
+            raise SpecdraftError(f"{self.name!r} needs the target's hidden states in every verified round")
+        rows = [0] + [1 + i for i in verified.accepted]
+        state.pending.append(aux_features(verified.hidden, self.layers, rows))
+        state.known += len(rows)
+
+    # ------------------------------------------------------------------------------------------ drafting
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target._embed(tokens.to(self.target.device))
+
+    def _catch_up(self, states: list[_EagleState], contexts: Sequence[Sequence[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every request's unseen target-feature positions (right-padded into one forward: a pad's keys
+        land past its row's committed length and stay masked) and commit them. Returns, per request, the
+        draft logits [B, draft_vocab] and output hidden state [B, dim] of its last position (n-2), which
+        predict c_n."""
+        head = self.head
+        feeds, feats = [], []
+        for state, context in zip(states, contexts):
+            start = self.cache.length(state.slot)
+            feeds.append([int(t) for t in context[start + 1:state.known + 1]])
+            feats.append(torch.cat(state.pending) if state.pending else None)
+        width = max(len(f) for f in feeds)
+        dim = head.config.hidden_size
+        tokens = torch.zeros(len(states), width, dtype=torch.long)
+        hidden = torch.zeros(len(states), width, dim, dtype=head.dtype, device=self.target.device)
+        with torch.inference_mode():
+            for b, (feed, feat) in enumerate(zip(feeds, feats)):
+                tokens[b, :len(feed)] = torch.tensor(feed, dtype=torch.long)
+                hidden[b, :len(feed)] = head.fuse(feat.to(head.dtype))
+        logits, out = head.step(self._embed(tokens), hidden, self.cache, [s.slot for s in states])
+        last = torch.tensor([len(f) - 1 for f in feeds])
+        rows = torch.arange(len(states))
+        for state, feed in zip(states, feeds):
+            self.cache.commit(state.slot, self.cache.length(state.slot) + len(feed))
+            state.pending = []
+        return logits[rows, last], out[rows, last]
+
+    def _ready(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int]
+               ) -> list[int]:
+        rows = []
+        for i, (rid, context, k) in enumerate(zip(request_ids, contexts, max_ks)):
+            state = self._states[rid]
+            if k <= 0 or len(context) + 1 > self.max_len:
+                continue
+            if state.known != len(context) - 1 or self.cache.length(state.slot) >= state.known:
+                raise SpecdraftError(f"{self.name!r}: target features known for {state.known} tokens of a "
+                                     f"{len(context)}-token context (every round must be observed)")
+            rows.append(i)
+        return rows
+
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
+                max_nodes: Sequence[int] | None = None) -> list[Proposal]:
+        nodes = list(max_nodes) if max_nodes is not None else list(max_ks)
+        out: list[Proposal] = [Proposal([]) for _ in request_ids]
+        ready = self._ready(request_ids, contexts, max_ks)
+        if not ready:
+            return out
+        states = [self._states[request_ids[i]] for i in ready]
+        logits, hidden = self._catch_up(states, [contexts[i] for i in ready])
+        bases = [self.cache.length(s.slot) for s in states]
+        room = self.cache.max_len - max(bases)
+        ks = [max(1, min(max_ks[i], self.max_len - len(contexts[i]))) for i in ready]
+        tree_rows = [j for j, i in enumerate(ready) if nodes[i] > max_ks[i] and room > TREE_BEAM * ks[j]]
+        chain_rows = [j for j in range(len(ready)) if j not in tree_rows]
+        if chain_rows:
+            chains = self._chains([states[j] for j in chain_rows], logits[chain_rows], hidden[chain_rows],
+                                  [ks[j] for j in chain_rows])
+            for j, proposal in zip(chain_rows, chains):
+                out[ready[j]] = proposal
+        if tree_rows:
+            trees = self._trees([states[j] for j in tree_rows], logits[tree_rows], hidden[tree_rows],
+                                [ks[j] for j in tree_rows], [nodes[ready[j]] for j in tree_rows])
+            for j, proposal in zip(tree_rows, trees):
+                out[ready[j]] = proposal
+        for state, base in zip(states, bases):
+            self.cache.commit(state.slot, base)  # drop every draft position: verified ones get target features
+        return out
+
+    def _pick(self, state: _EagleState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """(target token id, its draft distribution over the target vocabulary or None when greedy)."""
+        head = self.head
+        if state.params.greedy:
+            return int(head.draft_to_target[int(logits.argmax())]), None
+        probs = logits_to_probs(logits, state.params)
+        draft_id = int(sample(probs, state.generator))
+        full = torch.zeros(head.eagle.vocab_size, dtype=torch.float32, device=probs.device)
+        full[head.draft_to_target] = probs
+        return int(head.draft_to_target[draft_id]), full
+
+    def _chains(self, states: list[_EagleState], logits: torch.Tensor, hidden: torch.Tensor,
+                ks: list[int]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        active = list(range(len(states)))
+        while True:
+            for row, b in enumerate(active):
+                token, dist = self._pick(states[b], logits[row])
+                tokens[b].append(token)
+                if dist is not None:
+                    probs[b].append(dist)
+            active_next = [b for b in active if len(tokens[b]) < ks[b]]
+            if not active_next:
+                break
+            keep = [active.index(b) for b in active_next]
+            embeds = self._embed(torch.tensor([[tokens[b][-1]] for b in active_next]))
+            slots = [states[b].slot for b in active_next]
+            step_logits, step_hidden = self.head.step(embeds, hidden[keep][:, None], self.cache, slots)
+            for b in active_next:
+                self.cache.commit(states[b].slot, self.cache.length(states[b].slot) + 1)
+            logits, hidden, active = step_logits[:, 0], step_hidden[:, 0], active_next
+        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _trees(self, states: list[_EagleState], first_logits: torch.Tensor, first_hidden: torch.Tensor,
+               ks: list[int], max_nodes: list[int]) -> list[Proposal]:
+        """EAGLE-2-style top-k trees, as draft_model.py grows them; a node is fed with its token and the
+        head's output at its parent (the row whose logits proposed it)."""
+        bases = [self.cache.length(s.slot) for s in states]
+        logits = {b: first_logits[b:b + 1] for b in range(len(states))}
+        hiddens = {b: first_hidden[b:b + 1] for b in range(len(states))}  # rows of `frontier`
+        candidates: list[list[_Node]] = [[] for _ in states]
+        source: list[list[torch.Tensor]] = [[] for _ in states]  # per candidate: the hidden state that proposed it
+        fed: list[list[int]] = [[] for _ in states]
+        frontier = [[ROOT] for _ in states]
+        for level in range(1, max(ks) + 1):
+            for b in range(len(states)):
+                if level > ks[b]:
+                    continue
+                log_probs = torch.log_softmax(logits[b].float(), -1)
+                for row, parent in enumerate(frontier[b]):
+                    base = 0.0 if parent == ROOT else candidates[b][parent].score
+                    top = torch.topk(log_probs[row], min(TREE_TOP_K, max_nodes[b], log_probs.shape[-1]))
+                    for lp, draft_id in zip(top.values.tolist(), top.indices.tolist()):
+                        candidates[b].append(_Node(int(self.head.draft_to_target[draft_id]), parent, level, base + lp))
+                        source[b].append(hiddens[b][row])
+            growing = [b for b in range(len(states)) if level < ks[b]]
+            if not growing:
+                break
+            for b in range(len(states)):
+                newest = [c for c, node in enumerate(candidates[b]) if node.depth == level]
+                frontier[b] = heapq.nlargest(TREE_BEAM, newest, key=lambda c, b=b: candidates[b][c].score) \
+                    if b in growing else []
+            width = max(len(frontier[b]) for b in growing)
+            branch = max(len(fed[b]) for b in growing)
+            tokens = torch.zeros(len(growing), width, dtype=torch.long)
+            hidden = torch.zeros(len(growing), width, first_hidden.shape[-1], dtype=first_hidden.dtype,
+                                 device=first_hidden.device)
+            positions = torch.zeros(len(growing), width, dtype=torch.long)
+            branch_mask = torch.ones(len(growing), width, branch, dtype=torch.bool)
+            for g, b in enumerate(growing):
+                nodes = candidates[b]
+                for row, c in enumerate(frontier[b]):
+                    tokens[g, row] = nodes[c].token
+                    hidden[g, row] = source[b][c]
+                    positions[g, row] = bases[b] + nodes[c].depth - 1
+                    ancestors = set()
+                    a = nodes[c].parent
+                    while a != ROOT:
+                        ancestors.add(a)
+                        a = nodes[a].parent
+                    offset = branch - len(fed[b])
+                    branch_mask[g, row, offset:] = torch.tensor([d in ancestors for d in fed[b]], dtype=torch.bool)
+                positions[g, len(frontier[b]):] = positions[g, max(len(frontier[b]) - 1, 0)]
+            step_logits, step_hidden = self.head.step(
+                self._embed(tokens), hidden, self.cache, [states[b].slot for b in growing], positions=positions,
+                tree_mask=torch.eye(width, dtype=torch.bool), branch_mask=branch_mask if branch else None)
+            logits, hiddens = {}, {}
+            for g, b in enumerate(growing):
+                n = len(frontier[b])
+                self.cache.commit(states[b].slot, self.cache.length(states[b].slot) + n)
+                fed[b].extend(frontier[b])
+                logits[b], hiddens[b] = step_logits[g, :n], step_hidden[g, :n]
+        return [_best_tree(c, n) for c, n in zip(candidates, max_nodes)]
+
+
+def make_eagle_drafter(path: str, target: Transformer, max_len: int = 4096, max_batch: int = 1) -> EagleDrafter:
+    head = EagleHead.load(path, dtype=target.dtype, device=target.device)
+    return EagleDrafter(head, target, name=f"eagle:{path}", max_len=max_len, max_batch=max_batch)
+
+
+__all__ = ["EagleConfig", "EagleDrafter", "EagleHead", "aux_features", "default_aux_layer_ids",
+           "make_eagle_drafter"]
+

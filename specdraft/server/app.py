@@ -1,0 +1,431 @@
+"""The FastAPI app: OpenAI's `/v1/models`, `/v1/completions` and `/v1/chat/completions`, plus `/health` and
+`/metrics`.
+
+`create_app(engine, tokenizer, model_name)` serves an engine that is already built (the tests, or
+`LLM(...).engine`); `create_app_lazy(load, model_name)` starts answering at once and loads in the
+background, with `/health` at 503 until the model is ready (what a load balancer or `docker` health check
+wants). Either way one `EngineWorker` thread owns the engine; handlers only submit tickets and read events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdraft.engine.core import Engine, GenerationResult
+from specdraft.engine.metrics import acceptance_rate, mean_accepted_length
+from specdraft.errors import SpecdraftError
+from specdraft.server.metrics import ServerMetrics
+from specdraft.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_body,
+    sampling_params,
+)
+from specdraft.server.worker import EngineWorker, Event, Ticket
+
+log = logging.getLogger("specdraft.server")
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+@dataclass
+class ServedModel:
+    engine: Engine
+    tokenizer: Any
+    name: str
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class ServerState:
+    """What the handlers share: the worker once the model is loaded, the metrics, the key."""
+
+    def __init__(self, model_name: str, api_key: str | None) -> None:
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name)
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+        self.on_load_error: Callable[[str], None] | None = None
+        self.closing = False
+        self.created = int(time.time())
+        self._lock = threading.Lock()  # a background load finishing as shutdown begins must not start a worker
+
+    def ready_worker(self) -> EngineWorker:
+        if self.worker is None:
+            detail = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise APIError(503, detail, "server_error", code="model_not_ready")
+        return self.worker
+
+    def start(self, model: ServedModel) -> None:
+        with self._lock:
+            if self.closing:
+                return
+            worker = EngineWorker(model.engine, model.tokenizer, self.metrics)
+            worker.start()
+            self.worker = worker
+
+    def stop(self) -> None:
+        """End every request in flight (each gets a 503 error, streams an error event) and the engine thread."""
+        with self._lock:
+            self.closing = True
+            worker = self.worker
+        if worker is not None:
+            worker.stop()
+
+
+def create_app(engine: Engine, tokenizer: Any, model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app serving an engine that is already built (it must not be used elsewhere while served)."""
+    return _build_app(ServerState(model_name, api_key), lambda: ServedModel(engine, tokenizer, model_name),
+                      background=False)
+
+
+def create_app_lazy(load: Callable[[], ServedModel], model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app that answers at once and loads the model in a background thread (`/health` 503 until then)."""
+    return _build_app(ServerState(model_name, api_key), load, background=True)
+
+
+def _build_app(state: ServerState, load: Callable[[], ServedModel], background: bool) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if background:
+            threading.Thread(target=_load_in_background, args=(state, load), name="specdraft-load",
+                             daemon=True).start()
+        else:
+            state.start(load())
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title="specdraft", lifespan=lifespan)
+    app.state.server = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+def _load_in_background(state: ServerState, load: Callable[[], ServedModel]) -> None:
+    try:
+        state.start(load())
+        log.info("model %s loaded", state.model_name)
+    except Exception as exc:  # reported by /health and every request, instead of a dead thread
+        if isinstance(exc, SpecdraftError):  # a user error (a bad path, say): its message says it all
+            log.error("model load failed: %s", exc)
+        else:
+            log.exception("model load failed")
+        state.load_error = str(exc) or type(exc).__name__
+        if state.on_load_error is not None:
+            state.on_load_error(state.load_error)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, ending the requests in flight as soon as shutdown begins.
+
+    uvicorn waits for open connections (up to `timeout_graceful_shutdown`) before the app's lifespan ends,
+    so a stream of thousands of tokens would hold shutdown up and then be cut off mid-chunk. Stopping the
+    engine thread first ends each one properly: an error event and `[DONE]`, or a 503."""
+
+    def __init__(self, app: FastAPI, **config: Any) -> None:
+        super().__init__(uvicorn.Config(app, **config))
+        self.state: ServerState = app.state.server
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.stop()
+        await super().shutdown(sockets)
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                timeout_graceful_shutdown: int = 5) -> Server:
+    """The uvicorn server for `app` (bound to localhost unless told otherwise)."""
+    return Server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, log_level: str = "warning", timeout_graceful_shutdown: int = 2) -> Iterator[str]:
+    """`app` on a free loopback port in a background thread, lifespan included (tests, `bench-serve`);
+    yields the base URL and shuts the server down on exit."""
+    # proto=IPPROTO_TCP, as uvicorn's own binding has it: asyncio sets TCP_NODELAY on accepted connections only
+    # then, and without it Nagle + delayed ACKs add 40 ms to every response.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = Server(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdraft-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_graceful_shutdown + 10)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop")
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def schema_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:3])
+        return _error_response(bad_request(detail or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+def _check_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       "authentication_error", code="invalid_api_key")
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                       "not_found_error", "model", "model_not_found")
+
+
+# ------------------------------------------------------------------------------------------ routes
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if state.worker is None:
+            return JSONResponse({"status": "loading" if state.load_error is None else "failed",
+                                 "error": state.load_error}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _check_key(state, request)
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdraft"}
+        if state.worker is not None:
+            card["max_model_len"] = state.worker.engine.max_model_len  # set at build time, read-only since
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _check_key(state, request)
+        body = parse_body(await request.body(), CompletionRequest)
+        _check_model(state, body.model)
+        return await _generate(state, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        _check_key(state, request)
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        _check_model(state, body.model)
+        return await _generate(state, request, body, chat=True)
+
+
+async def _generate(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                    chat: bool) -> Response:
+    worker = state.ready_worker()
+    params = sampling_params(body, default_max_tokens=None)
+    prompt = body.prompt() if chat else body.prompt_input()
+    ticket = Ticket(prompt=prompt, chat=chat, params=params, loop=asyncio.get_running_loop(),
+                    max_tokens_default=body.token_budget() is None)
+    worker.submit(ticket)
+    watch = DisconnectWatch(request)
+    try:
+        first = await _next_event(ticket, watch)
+        if first.kind == "error":
+            raise first.error
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _sse(ticket, Reply(state.model_name, chat, first.prompt_tokens), include_usage)
+            return CancellingStream(stream, on_close=lambda: worker.cancel(ticket))
+        result = await _collect(ticket, watch)
+    except ClientGone:
+        worker.cancel(ticket)
+        return Response(status_code=499)
+    except BaseException:
+        worker.cancel(ticket)
+        raise
+    return JSONResponse(Reply(state.model_name, chat, first.prompt_tokens).full(result))
+
+
+class DisconnectWatch:
+    """Asks, at most every DISCONNECT_POLL_S, whether the client is still there: a non-streaming request has
+    nothing to write until it is done, so this is how it notices a client that gave up."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        if now - self.checked >= DISCONNECT_POLL_S:
+            self.checked = now
+            if await self.request.is_disconnected():
+                raise ClientGone
+
+
+async def _next_event(ticket: Ticket, watch: DisconnectWatch) -> Event:
+    """The ticket's next event, checking now and then (also while events keep coming) that the client is
+    still connected."""
+    while True:
+        try:
+            event = await asyncio.wait_for(ticket.events.get(), timeout=DISCONNECT_POLL_S)
+        except TimeoutError:
+            await watch.check()
+            continue
+        if not event.final:
+            await watch.check()
+        return event
+
+
+async def _collect(ticket: Ticket, watch: DisconnectWatch) -> GenerationResult:
+    while True:
+        event = await _next_event(ticket, watch)
+        if event.kind == "error":
+            raise event.error
+        if event.result is not None:
+            return event.result
+
+
+class CancellingStream(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends: finished, failed, or cancelled because
+    the client went away (Starlette cancels the body iterator on disconnect, which a generator's own
+    `finally` would only see when it is garbage-collected)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# ------------------------------------------------------------------------------------------ response bodies
+
+
+@dataclass
+class Reply:
+    """Builds OpenAI's response objects for one request (chat or text completion)."""
+
+    model: str
+    chat: bool
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def usage(self, result: GenerationResult) -> dict[str, Any]:
+        """OpenAI's token counts, plus this request's speculation: acceptance rate (null when nothing was
+        drafted) and mean accepted length (tokens per target decode forward, bonus token included)."""
+        m = result.metrics
+        completion = len(result.token_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "acceptance_rate": acceptance_rate(m.accepted, m.drafted),
+                "mean_accepted_length": mean_accepted_length(m.produced_tokens, m.target_forwards)}
+
+    def full(self, result: GenerationResult) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(result)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              usage: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else:
+            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [] if usage is not None else choices}
+        if with_usage:
+            out["usage"] = usage
+        return out
+
+
+def _sse_line(data: dict[str, Any] | str) -> str:
+    """One SSE event. JSON with ASCII escapes: raw U+0085 or U+2028 in the text would be a line break to
+    some clients' line splitters (httpx's among them), cutting the event in two."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _sse(ticket: Ticket, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: the role (chat), each round's text, the finish reason, the usage when asked, then
+    `[DONE]`. An error after the stream started arrives as an `error` event (the status is already sent)."""
+    if reply.chat:
+        yield _sse_line(reply.chunk(None, role=True, with_usage=include_usage))
+    while True:
+        event = await ticket.events.get()
+        if event.kind == "error":
+            yield _sse_line(event.error.body())
+            break
+        if event.text:
+            yield _sse_line(reply.chunk(event.text, with_usage=include_usage))
+        if event.result is not None:
+            yield _sse_line(reply.chunk(None, event.result.finish_reason, with_usage=include_usage))
+            if include_usage:
+                yield _sse_line(reply.chunk(None, usage=reply.usage(event.result), with_usage=True))
+            break
+    yield _sse_line("[DONE]")

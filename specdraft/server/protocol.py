@@ -1,0 +1,220 @@
+"""The OpenAI request schemas, their translation to `SamplingParams`, and errors in OpenAI's shape.
+
+Schemas are strict (`"0.5"` is not a number, `true` is not an integer) and closed (an unknown field is an
+error): a misspelt `max_token` that silently fell back to a default would be a worse bug than a 400. Fields
+of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`,
+`presence_penalty=0`, no logprobs) and refused otherwise, with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdraft.errors import InvalidParameterError
+from specdraft.verify.sampling import SamplingParams
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Generation(Strict):
+    """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k, min_p and ignore_eos)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, reason) for values this server cannot honour."""
+        out = []
+        if self.n != 1:
+            out.append(("n", f"n={self.n} is not supported: this server returns one choice per request "
+                             "(send several requests instead)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                out.append((name, f"{name} is not supported (only 0)"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options is only allowed with stream=true"))
+        return out
+
+
+class ChatCompletionRequest(_Generation):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            out.append(("max_completion_tokens", "give max_tokens or max_completion_tokens, not both"))
+        return out
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Generation):
+    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.logprobs:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        return out
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    def prompt_input(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
+
+
+def parse_body(raw: bytes, schema: type[Strict]) -> Any:
+    """Bytes to a validated request, or a 400 that says what is wrong (never FastAPI's raw 422)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+                          ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        # Python-mode validation of the parsed JSON (strict all the same): an escaped lone surrogate stays a
+        # string here and is reported by the tokenizer's own text check, naming the character.
+        request = schema.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    for param, reason in request.unsupported():
+        raise bad_request(reason, param)
+    return request
+
+
+# Fields whose union types make pydantic's own messages (one per member tried) hard to read.
+FIELD_HINTS = {
+    "prompt": "must be a string, a non-empty list of token ids or a list of one string (no batches)",
+    "stop": "must be a string or a list of at most 16 strings",
+}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first few schema errors, each as `field.path: what is wrong`."""
+    parts: list[str] = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        top = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not accepted by this server)"
+        elif top in FIELD_HINTS and err["type"] != "missing":
+            loc, msg = top, FIELD_HINTS[top]
+        else:
+            msg = err["msg"]
+        part = f"{loc}: {msg}" if loc else msg
+        if part not in parts:
+            parts.append(part)
+    first = exc.errors()[0]["loc"] if exc.errors() else ()
+    param = str(first[0]) if first else None
+    more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+    return bad_request("; ".join(parts[:3]) + more, param)
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member tried (`str`, `list[int]`) in the location: noise for a user."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "function")))
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop")
+
+
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int | None
+                    ) -> SamplingParams:
+    """The request's `SamplingParams` (OpenAI's defaults: temperature 1, top_p 1); `max_tokens` None is left
+    to the caller, who knows the prompt's length (`default_max_tokens` stands in for it meanwhile)."""
+    budget = request.token_budget()
+    try:
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=request.seed, max_tokens=budget if budget is not None else (default_max_tokens or 1),
+            stop=request.stop or (), ignore_eos=request.ignore_eos)
+    except InvalidParameterError as exc:
+        message = str(exc)
+        param = next((f for f in SAMPLING_FIELDS if message.startswith(f) or message.startswith(f + " ")), None)
+        if param == "max_tokens" and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens:
+            param, message = "max_completion_tokens", message.replace("max_tokens", "max_completion_tokens", 1)
+        raise bad_request(message, param) from None

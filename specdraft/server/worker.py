@@ -1,0 +1,243 @@
+"""The engine thread: the one owner of the `Engine`, batching every HTTP request into its rounds.
+
+HTTP handlers run on the asyncio loop and never touch the engine. They `submit` a `Ticket` and read its
+events from an asyncio queue; the engine thread tokenizes and validates it (so a bad prompt is answered
+before any streaming starts), queues it until a KV-cache slot is free, then advances all running requests
+together, one `Engine.step` (one batched target forward) per round, and hands each chunk back with
+`loop.call_soon_threadsafe`. A client that goes away is `cancel`led: the engine thread releases its slot
+before the next round, so the slot serves the next waiting request at once.
+
+Commands reach the thread through a `queue.Queue` and are applied between rounds only, so the engine is
+never used from two threads and needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specdraft.engine.core import Engine, GenerationResult, Request
+from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.server.metrics import ServerMetrics, SpecSnapshot
+from specdraft.server.protocol import APIError, bad_request
+from specdraft.verify.sampling import SamplingParams
+
+log = logging.getLogger("specdraft.server")
+IDLE_POLL_S = 0.05  # how often an idle engine thread looks for the stop flag
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+
+@dataclass
+class Event:
+    """One message from the engine thread to a handler: `accepted` (prompt tokenized and valid), `chunk`
+    (text and tokens of one round; `result` on the last) or `error` (`error` set; the ticket is over)."""
+
+    kind: str
+    prompt_tokens: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    result: GenerationResult | None = None
+    error: APIError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.kind == "error" or self.result is not None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One HTTP request's generation. `prompt` is what the tokenizer takes (text, token ids or chat
+    messages); `max_tokens_default` asks for the rest of the context as the budget (chat without max_tokens).
+    Fields below `events` belong to the engine thread."""
+
+    prompt: Any
+    chat: bool
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    max_tokens_default: bool = False
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    prompt_ids: list[int] = field(default_factory=list)
+    request: Request | None = None
+    last_token_at: float | None = None
+    spec_seen: SpecSnapshot = field(default_factory=SpecSnapshot)
+    done: bool = False
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, tokenizer: Any, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._commands: queue.Queue[tuple[str, Ticket | None]] = queue.Queue()
+        self._waiting: deque[Ticket] = deque()
+        self._running: dict[int, Ticket] = {}  # engine request id -> ticket
+        self._stopping = threading.Event()
+        self._gate = threading.Lock()  # no submit slips in after stop(): every ticket gets an answer
+        self._thread = threading.Thread(target=self._loop, name="specdraft-engine", daemon=True)
+
+    # ------------------------------------------------------------------ called from the HTTP side
+
+    def start(self) -> None:
+        self._publish_state()
+        self._thread.start()
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._gate:
+            if self._stopping.is_set():
+                raise shutting_down()
+            self._commands.put(("submit", ticket))
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The client is gone (or the handler failed): free the ticket's slot; a no-op once it finished."""
+        if not ticket.done:
+            self._commands.put(("cancel", ticket))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight (each handler gets a 503 event) and end the thread."""
+        with self._gate:
+            self._stopping.set()
+            self._commands.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._apply_commands(block=not self._running and not self._waiting)
+            if self._stopping.is_set():
+                break
+            self._admit()
+            if self._running:
+                self._step()
+            self._publish_state()
+        self._shutdown()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command, ticket = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command == "submit":
+                self._accept(ticket)
+            elif command == "cancel":
+                self._abort(ticket)
+            try:
+                command, ticket = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, ticket: Ticket) -> None:
+        """Tokenize and validate now, so the handler can answer 400 before it starts a response."""
+        if ticket.done:
+            return
+        try:
+            ids = self.tokenizer.prompt_ids(ticket.prompt, chat=ticket.chat)
+            params = ticket.params
+            if ticket.max_tokens_default:
+                params = replace(params, max_tokens=max(1, self.engine.max_model_len - len(ids)))
+            self.engine.validate(ids, params)
+        except ContextOverflowError as exc:
+            prompt_field = "messages" if ticket.chat else "prompt"
+            self._fail(ticket, bad_request(str(exc), prompt_field if ticket.max_tokens_default else "max_tokens",
+                                           "context_length_exceeded"))
+            return
+        except SpecdraftError as exc:
+            self._fail(ticket, bad_request(str(exc), "messages" if ticket.chat else "prompt"))
+            return
+        except Exception as exc:  # a tokenizer or template bug must not take the engine thread down
+            log.exception("could not prepare a request")
+            self._fail(ticket, APIError(500, f"could not prepare the prompt: {exc}", "server_error"))
+            return
+        ticket.prompt_ids, ticket.params = ids, params
+        self._waiting.append(ticket)
+        self._send(ticket, Event("accepted", prompt_tokens=len(ids)))
+
+    def _admit(self) -> None:
+        while self._waiting and self.engine.free_slots > 0:
+            ticket = self._waiting.popleft()
+            try:
+                ticket.request = self.engine.add_request(ticket.prompt_ids, ticket.params)
+            except SpecdraftError as exc:
+                self._fail(ticket, bad_request(str(exc)))
+                continue
+            self._running[ticket.request.id] = ticket
+            self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
+
+    def _step(self) -> None:
+        tickets = list(self._running.values())
+        try:
+            chunks = self.engine.step([t.request for t in tickets])
+        except Exception as exc:  # a bug in a round: fail its requests, keep serving the others to come
+            log.exception("engine step failed")
+            for ticket in tickets:
+                self._release(ticket)
+                self._fail(ticket, APIError(500, f"generation failed: {exc}", "server_error"))
+            return
+        now = time.perf_counter()
+        for chunk in chunks:
+            ticket = self._running[chunk.request_id]
+            self.metrics.observe_tokens(len(chunk.token_ids), now, ticket.arrived, ticket.last_token_at)
+            if chunk.token_ids:
+                ticket.last_token_at = now
+            self.metrics.observe_spec(ticket.spec_seen, ticket.request.metrics)
+            if chunk.result is not None:
+                del self._running[chunk.request_id]
+                ticket.done = True
+                self.metrics.finished(chunk.result.finish_reason)
+                self.metrics.e2e.observe(now - ticket.arrived)
+            if chunk.text or chunk.token_ids or chunk.result is not None:
+                self._send(ticket, Event("chunk", text=chunk.text, token_ids=chunk.token_ids, result=chunk.result))
+
+    def _abort(self, ticket: Ticket) -> None:
+        if ticket.done:
+            return
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+        self._release(ticket)
+        ticket.done = True
+        self.metrics.aborted.inc()
+
+    def _release(self, ticket: Ticket) -> None:
+        if ticket.request is not None:
+            self._running.pop(ticket.request.id, None)
+            self.engine.release(ticket.request)
+
+    def _shutdown(self) -> None:
+        pending = []
+        while not self._commands.empty():
+            command, ticket = self._commands.get_nowait()
+            if command == "submit":
+                pending.append(ticket)
+        for ticket in [*self._running.values(), *self._waiting, *pending]:
+            if not ticket.done:
+                self._abort(ticket)
+                self._send(ticket, Event("error", error=shutting_down()))
+        self._waiting.clear()
+        self._publish_state()
+
+    def _fail(self, ticket: Ticket, error: APIError) -> None:
+        ticket.done = True
+        self._send(ticket, Event("error", error=error))
+
+    def _send(self, ticket: Ticket, event: Event) -> None:
+        try:
+            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _publish_state(self) -> None:
+        engine = self.engine
+        self.metrics.set_state(len(self._running), len(self._waiting), engine.max_batch - engine.free_slots,
+                               engine.max_batch)

@@ -1,0 +1,476 @@
+"""The OpenAI-compatible server (`specdraft serve`), tested over real HTTP: uvicorn on a free loopback port in
+a thread, the official `openai` client and raw httpx. A tiny random model with a one-character-per-token
+tokenizer keeps it fast; one test runs the bundled SmolLM2 through its chat template."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_cpu_kernels import kernel_model, needs_kernels
+
+from specdraft.cli import main
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.engine.adaptive import AdaptiveConfig
+from specdraft.engine.core import Engine
+from specdraft.runtime import cpu_kernels
+from specdraft.runtime.tokenizer import Tokenizer
+from specdraft.server import ServedModel, create_app, create_app_lazy, serve_in_thread
+from specdraft.verify.sampling import SamplingParams
+
+VOCAB = 101  # kernel_model's vocabulary
+NAME = "tiny"
+CONTEXT = 256
+
+
+class CharHF:
+    """A stand-in for a Hugging Face tokenizer: token i is the character chr(97 + i); the chat template
+    concatenates the contents and appends "|" (a generation prompt). No EOS, so lengths are exact."""
+
+    eos_token_id = None
+    chat_template = "concatenate"
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + int(i)) for i in ids)
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return chr(97 + token_id)
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        return "".join(m["content"] for m in messages) + "|"
+
+
+class SlowEngine:
+    """The engine with a pause in every round: long enough requests to disconnect from mid-stream."""
+
+    def __init__(self, engine: Engine, delay: float) -> None:
+        self._engine, self._delay = engine, delay
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self, requests):
+        time.sleep(self._delay)
+        return self._engine.step(requests)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return kernel_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(CharHF())
+
+
+def make_engine(target, tokenizer, max_batch: int = 8, drafter: bool = True) -> Engine:
+    return Engine(target, tokenizer, NgramDrafter() if drafter else None, 3 if drafter else 0,
+                  AdaptiveConfig(enabled=False), max_model_len=CONTEXT, max_batch=max_batch)
+
+
+@pytest.fixture(scope="module")
+def server(target, tokenizer):
+    """The shared server: ngram drafter, K=3, 8 slots."""
+    engine = make_engine(target, tokenizer)
+    with serve_in_thread(create_app(engine, tokenizer, NAME)) as url:
+        yield url, engine
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(target, tokenizer, prompt_ids: list[int], max_tokens: int) -> str:
+    """What plain greedy decoding gives alone (no server, no drafter, no batch)."""
+    engine = make_engine(target, tokenizer, max_batch=1, drafter=False)
+    return engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens)).text
+
+
+def assert_greedy(got: str, expected: str) -> None:
+    """Greedy output equal to the engine alone, bit for bit: that needs the fused kernels, whose rows do not
+    depend on the batch or block they are scored in (the torch fallback may round a near-tie differently)."""
+    if cpu_kernels.available():
+        assert got == expected
+    else:
+        assert len(got) == len(expected)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def chat_text(url: str, content: str, max_tokens: int, timeout: float = 60, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout, json={
+        "model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+        "temperature": 0, **extra})
+
+
+def stream_chat(url: str, content: str, max_tokens: int) -> tuple[str, str | None]:
+    """(text, finish reason) of a streamed chat completion, read with raw httpx."""
+    text, finish = [], None
+    body = {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            text.append(choice["delta"].get("content") or "")
+            finish = choice["finish_reason"] or finish
+    return "".join(text), finish
+
+
+# ---------------------------------------------------------------------------------------- the OpenAI client
+
+
+def test_openai_client_chat_and_completions_stream_or_not_match_the_engine_alone(server, target, tokenizer):
+    url, _ = server
+    oa = client(url)
+    assert [m.id for m in oa.models.list().data] == [NAME]
+    expected_chat = reference(target, tokenizer, tokenizer.encode("abcabcabc|"), 24)
+
+    chat = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "abcabcabc"}],
+                                      max_tokens=24, temperature=0)
+    assert_greedy(chat.choices[0].message.content, expected_chat)
+    assert chat.choices[0].finish_reason == "length"
+    usage = chat.usage.model_dump()
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (10, 24, 34)
+    assert "acceptance_rate" in usage and usage["mean_accepted_length"] >= 1.0
+
+    pieces, usages, finish = [], [], None
+    for chunk in oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "abcabcabc"}],
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usages.append(chunk.usage.model_dump())
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == chat.choices[0].message.content and finish == "length"
+    assert len(usages) == 1 and usages[0]["completion_tokens"] == 24 and "acceptance_rate" in usages[0]
+
+    expected = reference(target, tokenizer, tokenizer.encode("hello"), 12)
+    done = oa.completions.create(model=NAME, prompt="hello", max_tokens=12, temperature=0)
+    assert_greedy(done.choices[0].text, expected)
+    assert done.usage.completion_tokens == 12
+    streamed = "".join(c.choices[0].text for c in oa.completions.create(
+        model=NAME, prompt="hello", max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == done.choices[0].text
+    # token ids as the prompt give the same as the text they spell
+    by_ids = oa.completions.create(model=NAME, prompt=tokenizer.encode("hello"), max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == done.choices[0].text
+
+
+def test_stop_strings_and_seeded_sampling(server):
+    url, _ = server
+    oa = client(url)
+    full = oa.completions.create(model=NAME, prompt="abcd", max_tokens=20, temperature=0).choices[0].text
+    stop = full[5:7]
+    cut = oa.completions.create(model=NAME, prompt="abcd", max_tokens=20, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    args = dict(model=NAME, prompt="abcd", max_tokens=16, temperature=0.9, top_p=0.9, seed=7,
+                extra_body={"top_k": 20, "min_p": 0.01})
+    assert oa.completions.create(**args).choices[0].text == oa.completions.create(**args).choices[0].text
+
+
+@needs_kernels
+def test_greedy_outputs_under_8_way_concurrency_equal_the_engine_alone(server, target, tokenizer):
+    """Eight clients at once share the batched rounds; each gets exactly what the engine gives it alone."""
+    url, _ = server
+    prompts = ["abcabc", "hello", "xyzxyzxyz", "a", "kkkkkkkk", "thequickbrownfox", "ababab", "mnop"]
+    lengths = [20, 9, 17, 24, 5, 13, 20, 11]
+    expected = [reference(target, tokenizer, tokenizer.encode(p + "|"), n) for p, n in zip(prompts, lengths)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda a: chat_text(url, *a).json()["choices"][0]["message"]["content"],
+                            zip(prompts, lengths)))
+    assert got == expected
+
+
+def test_32_concurrent_streaming_clients_all_complete(server):
+    """32 streams against 8 slots: 24 wait their turn; none fails, none is cut short."""
+    url, engine = server
+    prompts = [("abcdefgh"[i % 8:] + "xyz")[: 3 + i % 5] for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: stream_chat(url, p, 12), prompts))
+    assert all(finish == "length" and len(text) == 12 for text, finish in results), results
+    # the same prompt gives the same greedy text, whichever slot and batch it ran in
+    by_prompt: dict[str, set[str]] = {}
+    for p, (text, _) in zip(prompts, results):
+        by_prompt.setdefault(p, set()).add(text)
+    if cpu_kernels.available():  # row invariance, as above
+        assert all(len(texts) == 1 for texts in by_prompt.values())
+    assert engine.free_slots == engine.max_batch
+    assert metric(url, "specdraft:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------------------------------- bad requests
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "abc"}]
+
+
+def _malformed() -> list[tuple[str, bytes, str]]:
+    """(path, raw body, a word the error message must contain)."""
+    def chat(**fields) -> bytes:
+        return json.dumps({"model": NAME, "messages": MSG, **fields}).encode()
+
+    def comp(**fields) -> bytes:
+        return json.dumps({"model": NAME, "prompt": "abc", **fields}).encode()
+
+    cases = [
+        (CHAT, b"{", "JSON"), (CHAT, b"", "JSON"), (CHAT, b"not json", "JSON"), (CHAT, b"[]", "object"),
+        (CHAT, b"null", "object"), (COMPLETIONS, b'"abc"', "object"), (CHAT, b'{"messages": [}', "JSON"),
+        (CHAT, b'{"model": "\xff\xfe", "messages": []}', "UTF-8"), (COMPLETIONS, b"\xc3\x28", "UTF-8"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "ab\xe2\x82"}]}', "UTF-8"),
+        (CHAT, json.dumps({"messages": "hi"}).encode(), "messages"),
+        (CHAT, json.dumps({"messages": [1]}).encode(), "messages"),
+        (CHAT, json.dumps({"messages": [{"role": "user"}]}).encode(), "content"),
+        (CHAT, json.dumps({"messages": [{"role": "robot", "content": "a"}]}).encode(), "role"),
+        (CHAT, json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "content"),
+        (CHAT, json.dumps({"messages": [{"role": "user", "content": "a", "mood": "x"}]}).encode(), "unknown field"),
+        (CHAT, json.dumps({"messages": []}).encode(), "messages"), (CHAT, json.dumps({}).encode(), "messages"),
+        (CHAT, chat(temperature="0.5"), "temperature"), (CHAT, chat(max_tokens=1.5), "max_tokens"),
+        (CHAT, chat(max_tokens=True), "max_tokens"), (CHAT, chat(stream="yes"), "stream"),
+        (CHAT, chat(stop=5), "stop"), (CHAT, chat(seed="1"), "seed"), (CHAT, chat(top_k=1.0), "top_k"),
+        (CHAT, chat(n="1"), "n"), (CHAT, chat(temperature=-1), "temperature"), (CHAT, chat(top_p=0), "top_p"),
+        (CHAT, chat(top_p=1.5), "top_p"), (CHAT, chat(top_k=-2), "top_k"), (CHAT, chat(min_p=2), "min_p"),
+        (CHAT, chat(max_tokens=0), "max_tokens"), (CHAT, chat(max_tokens=-5), "max_tokens"),
+        (CHAT, chat(seed=-1), "seed"), (CHAT, chat(seed=2**70), "seed"), (CHAT, chat(n=2), "n=2"),
+        (CHAT, chat(presence_penalty=1.0), "presence_penalty"), (CHAT, chat(logprobs=True), "logprobs"),
+        (CHAT, chat(max_tokens=10**9), "context"), (CHAT, chat(max_tokens=10**30), "context"),
+        (CHAT, chat(max_completion_tokens=10**6), "context"), (CHAT, chat(foo=1), "unknown field"),
+        (CHAT, chat(stream=True, stream_options={"bogus": True}), "unknown field"),
+        (CHAT, chat(stream_options={"include_usage": True}), "stream"),
+        (CHAT, chat(stop=[""]), "stop"), (CHAT, chat(stop=["x"] * 17), "stop"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', "temperature"),
+        (CHAT, json.dumps({"messages": [{"role": "user", "content": "ABC"}]}).encode(), "token ids"),
+        (CHAT, json.dumps({"messages": [{"role": "user", "content": "a" * 300}]}).encode(), "context"),
+        (CHAT, json.dumps({"model": "gpt-4", "messages": MSG}).encode(), "does not exist"),
+        (COMPLETIONS, json.dumps({"prompt": ""}).encode(), "empty"), (COMPLETIONS, comp(prompt=[]), "prompt"),
+        (COMPLETIONS, comp(prompt=[-1]), "token ids"), (COMPLETIONS, comp(prompt=[10**6]), "token ids"),
+        (COMPLETIONS, comp(prompt=["a", "b"]), "prompt"), (COMPLETIONS, comp(prompt=5), "prompt"),
+        (COMPLETIONS, comp(prompt=[1.5]), "prompt"), (COMPLETIONS, comp(echo=True), "echo"),
+        (COMPLETIONS, comp(max_tokens=10**9), "context"), (COMPLETIONS, comp(bogus=None), "unknown field"),
+        (COMPLETIONS, json.dumps({"model": NAME}).encode(), "prompt"),
+        (COMPLETIONS, comp(model="nope"), "does not exist"), (COMPLETIONS, comp(temperature="hot"), "temperature"),
+    ]
+    return cases
+
+
+def test_200_malformed_requests_get_4xx_with_a_message_and_the_server_stays_correct(server, target, tokenizer):
+    url, engine = server
+    cases = _malformed()
+    sent = 0
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while sent < 200:
+            path, body, word = cases[sent % len(cases)]
+            response = http.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= response.status_code < 500, (body, response.status_code, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+            assert word.lower() in error["message"].lower(), (body, error)
+            sent += 1
+        assert http.get("/v1/chat/completions").status_code == 405  # wrong method: still OpenAI's shape
+        assert "error" in http.get("/v1/nothing").json()
+        assert http.get("/health").status_code == 200
+    assert engine.free_slots == engine.max_batch
+    got = chat_text(url, "abcabc", 10).json()["choices"][0]["message"]["content"]
+    assert_greedy(got, reference(target, tokenizer, tokenizer.encode("abcabc|"), 10))
+
+
+def test_context_overflow_and_unknown_model_errors(server):
+    url, _ = server
+    response = chat_text(url, "abc", 10**6)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert f"context of {CONTEXT} tokens" in error["message"] and error["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(url).chat.completions.create(model="gpt-4", messages=MSG, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+        client(url).chat.completions.create(model=NAME, messages=MSG, max_tokens=2, n=3)
+
+
+# ---------------------------------------------------------------------------------------- auth, health, metrics
+
+
+def test_api_key_is_required_when_set(target, tokenizer):
+    app = create_app(make_engine(target, tokenizer, max_batch=2), tokenizer, NAME, api_key="s3cret")
+    with serve_in_thread(app) as url:
+        assert httpx.get(url + "/v1/models").status_code == 401
+        wrong = httpx.post(url + CHAT, json={"messages": MSG}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").chat.completions.create(model=NAME, messages=MSG, max_tokens=2)
+        ok = client(url, "s3cret").chat.completions.create(model=NAME, messages=MSG, max_tokens=3, temperature=0)
+        assert len(ok.choices[0].message.content) == 3
+        assert httpx.get(url + "/health").status_code == 200  # probes need no key
+        assert httpx.get(url + "/metrics").status_code == 200
+    # and without a key, any or no Authorization header is fine (the shared server has none)
+
+
+def test_health_is_503_until_the_model_is_loaded(target, tokenizer):
+    loaded = threading.Event()
+
+    def load() -> ServedModel:
+        loaded.wait(20)
+        return ServedModel(make_engine(target, tokenizer, max_batch=1), tokenizer, NAME)
+
+    with serve_in_thread(create_app_lazy(load, NAME)) as url:
+        assert httpx.get(url + "/health").status_code == 503
+        early = httpx.post(url + CHAT, json={"messages": MSG})
+        assert early.status_code == 503 and "loading" in early.json()["error"]["message"]
+        loaded.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert chat_text(url, "abc", 4).status_code == 200
+
+
+def test_metrics_use_vllm_names_with_a_specdraft_prefix(server):
+    url, _ = server
+    assert chat_text(url, "abcabcabcabc", 30).status_code == 200
+    for name in ["specdraft:spec_decode_num_drafts_total", "specdraft:spec_decode_num_draft_tokens_total",
+                 "specdraft:spec_decode_num_accepted_tokens_total", "specdraft:num_requests_running",
+                 "specdraft:num_requests_waiting", "specdraft:kv_cache_usage_perc",
+                 "specdraft:prompt_tokens_total", "specdraft:generation_tokens_total",
+                 "specdraft:time_to_first_token_seconds_count", "specdraft:inter_token_latency_seconds_count",
+                 "specdraft:e2e_request_latency_seconds_count"]:
+        metric(url, name)
+    assert metric(url, "specdraft:spec_decode_num_drafts_total") > 0
+    accepted = metric(url, "specdraft:spec_decode_num_accepted_tokens_total")
+    assert metric(url, "specdraft:spec_decode_num_accepted_tokens_per_pos_total") == accepted > 0
+    assert 'position="0"' in httpx.get(url + "/metrics").text
+
+
+# ---------------------------------------------------------------------------------------- disconnects, shutdown
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot_at_once(target, tokenizer):
+    engine = make_engine(target, tokenizer, max_batch=2)
+    with serve_in_thread(create_app(SlowEngine(engine, 0.02), tokenizer, NAME)) as url:
+        body = {"model": NAME, "messages": MSG, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            while "content" not in next(lines):
+                pass
+            assert metric(url, "specdraft:num_requests_running") == 1
+            assert metric(url, "specdraft:kv_cache_usage_perc") == 0.5
+        started = time.monotonic()  # the connection is closed here, 200 tokens (>= 4 s) from the end
+        while metric(url, "specdraft:num_requests_running") != 0:
+            assert time.monotonic() - started < 2, "the slot was not released"
+            time.sleep(0.02)
+        assert metric(url, "specdraft:request_aborted_total") == 1
+        assert metric(url, "specdraft:kv_cache_usage_perc") == 0
+        assert engine.free_slots == 2
+        assert chat_text(url, "abc", 3).status_code == 200
+
+
+def test_a_non_streaming_client_that_gives_up_frees_its_slot(target, tokenizer):
+    """Without a stream there is nothing to write to: the handler notices the disconnect by polling."""
+    engine = make_engine(target, tokenizer, max_batch=1)
+    with serve_in_thread(create_app(SlowEngine(engine, 0.02), tokenizer, NAME)) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            chat_text(url, "abc", 200, timeout=0.5)
+        started = time.monotonic()
+        while metric(url, "specdraft:num_requests_running") != 0:
+            assert time.monotonic() - started < 2, "the slot was not released"
+            time.sleep(0.02)
+        assert engine.free_slots == 1 and metric(url, "specdraft:request_aborted_total") == 1
+
+
+def test_shutdown_ends_requests_in_flight_at_once(target, tokenizer):
+    """Stopping the server ends a long stream with an error event and [DONE] (not a cut connection after the
+    grace period) and a waiting non-streaming request with a 503; every slot is free afterwards."""
+    engine = make_engine(target, tokenizer, max_batch=1)
+    events: list[str] = []
+    waiting: dict[str, httpx.Response] = {}
+
+    def long_stream(url: str) -> None:
+        body = {"model": NAME, "messages": MSG, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body, timeout=30) as response:
+            events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+    def queued(url: str) -> None:
+        waiting["response"] = chat_text(url, "abc", 50)
+
+    with serve_in_thread(create_app(SlowEngine(engine, 0.02), tokenizer, NAME)) as url:
+        readers = [threading.Thread(target=long_stream, args=(url,)), threading.Thread(target=queued, args=(url,))]
+        readers[0].start()
+        deadline = time.monotonic() + 10
+        while metric(url, "specdraft:num_requests_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        readers[1].start()
+        while metric(url, "specdraft:num_requests_waiting") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 1.5  # the grace period (2 s) was not needed
+    for reader in readers:
+        reader.join(10)
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+    assert waiting["response"].status_code == 503
+    assert engine.free_slots == 1
+
+
+def test_serve_command_exits_with_a_message_when_the_model_cannot_load(capsys):
+    assert main(["serve", "--model", "/no/such/model", "--port", "0", "--log-level", "error"]) == 2
+    assert "could not load the model" in capsys.readouterr().err
+
+
+def test_bench_serve_client_measures_a_live_server(server):
+    """`bench-serve`'s load generator and statistics, against the tiny server (no model load)."""
+    import asyncio
+
+    from specdraft.bench.serve_bench import _percentile, _run_level, summarize
+
+    url, _ = server
+    results, wall = asyncio.run(_run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None))
+    row = summarize("ngram", 2, results, wall)
+    assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
+    assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
+    assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
+
+
+# ---------------------------------------------------------------------------------------- the bundled model
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_chat_template_through_the_openai_client():
+    """The real chat template and tokenizer, ngram drafting, two slots: the server answers what `LLM.chat`
+    answers, streamed or not."""
+    from specdraft import LLM
+
+    llm = LLM(model="smollm2-135m", speculative_model="ngram", num_speculative_tokens=3, max_batch=2,
+              progress=False)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
+    with serve_in_thread(create_app(llm.engine, llm.tokenizer, "smollm2-135m")) as url:
+        oa = client(url)
+        reply = oa.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
+        streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert reply.choices[0].message.content == expected.text == streamed
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
