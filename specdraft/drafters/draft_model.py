@@ -8,25 +8,21 @@ context plus draft tokens d1..d_{k-1} (d_k was sampled but never fed). `observe`
 so the next `propose` only feeds the tokens the draft has not seen: the target's correction, or d_k plus the
 bonus token after full acceptance.
 
-Token trees (when `propose` gets a node budget above the depth) grow EAGLE-2 style (Li et al. 2024): the
-children of a node are the draft's top-k tokens there, scored by the draft's probability of the whole path
-from the root; each step expands the best-scored nodes of the newest level (one forward for all requests,
-the tree's own nodes seen through `branch_mask`), and the best `max_nodes` nodes overall form the proposal.
-A path's score never exceeds its parent's, so the best nodes always form a tree. Tree drafts are
-deterministic (one-hot draft probabilities), which keeps multi-candidate verification lossless at any
-temperature whatever nodes are kept. The tree's keys are dropped afterwards; the next `propose` feeds the
-accepted tokens.
+Token trees (when `propose` gets a node budget above the depth) grow EAGLE-2 style (tree_growth.py), one
+draft forward per level for all requests. Tree drafts are deterministic (one-hot draft probabilities),
+which keeps multi-candidate verification lossless at any temperature whatever nodes are kept. The tree's
+keys are dropped afterwards; the next `propose` feeds the accepted tokens.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.model import Transformer
@@ -47,19 +43,6 @@ class _DraftState:
     num_proposed: int = 0  # tokens in that proposal (0: none outstanding)
     tree: bool = False  # the last proposal was a tree (its keys were dropped)
 
-
-# Children per expanded node and nodes expanded per level of a draft tree (EAGLE-2 uses 10 and 10 on GPUs;
-# on a CPU every expanded node is a row of the next draft forward).
-TREE_TOP_K = 4
-TREE_BEAM = 4
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int  # index into the candidate list, or ROOT
-    depth: int
-    score: float  # log draft probability of the path from the root
 
 
 class ModelDrafter:
@@ -170,7 +153,7 @@ class ModelDrafter:
         first = self._feed(states, feeds)
         logits = {i: first[i:i + 1] for i in range(len(states))}  # per request: [len(frontier), vocab]
         bases = [self.cache.length(state.slot) for state in states]  # == len(context): the tree goes after
-        candidates: list[list[_Node]] = [[] for _ in states]
+        candidates: list[list[TreeNode]] = [[] for _ in states]
         fed: list[list[int]] = [[] for _ in states]  # candidate indices whose keys follow the context, in order
         frontier = [[ROOT] for _ in states]  # nodes whose children `logits` rows hold
         for level in range(1, max(depths, default=0) + 1):
@@ -179,59 +162,27 @@ class ModelDrafter:
                     continue
                 log_probs = _tree_log_probs(logits[i], states[i].params)
                 for row, parent in enumerate(frontier[i]):
-                    base = 0.0 if parent == ROOT else candidates[i][parent].score
-                    top = torch.topk(log_probs[row], min(TREE_TOP_K, max_nodes[i]))
-                    for lp, token in zip(top.values.tolist(), top.indices.tolist()):
-                        if lp > float("-inf"):  # top-k / top-p may leave fewer tokens than TREE_TOP_K
-                            candidates[i].append(_Node(int(token), parent, level, base + lp))
+                    add_children(candidates[i], parent, log_probs[row], level, max_nodes[i])
             growing = [i for i in range(len(states)) if level < depths[i]]
             if not growing:
                 break
-            for i in range(len(states)):
-                newest = [c for c, node in enumerate(candidates[i]) if node.depth == level]
-                frontier[i] = heapq.nlargest(TREE_BEAM, newest, key=lambda c, i=i: candidates[i][c].score) \
-                    if i in growing else []
-            rows = self._feed_level([states[i] for i in growing], [candidates[i] for i in growing],
-                                    [frontier[i] for i in growing], [fed[i] for i in growing],
-                                    [bases[i] for i in growing])
-            logits = dict(zip(growing, rows))
+            for i in growing:
+                frontier[i] = next_frontier(candidates[i], level)
+            block = level_block([candidates[i] for i in growing], [frontier[i] for i in growing],
+                                [fed[i] for i in growing], [bases[i] for i in growing])
+            rows = self.model(block.tokens, self.cache, slots=[states[i].slot for i in growing],
+                              positions=block.positions, tree_mask=block.tree_mask, exit_layer=self.exit_layer,
+                              branch_mask=block.branch_mask)
+            logits = {}
+            for g, i in enumerate(growing):
+                n = len(frontier[i])
+                self.cache.commit(states[i].slot, self.cache.length(states[i].slot) + n)
+                fed[i].extend(frontier[i])
+                logits[i] = rows[g, :n]
         for state, base in zip(states, bases):
             self.cache.commit(state.slot, base)  # drop the tree's keys
             state.num_proposed = 0
-        return [_best_tree(c, n) for c, n in zip(candidates, max_nodes)]
-
-    def _feed_level(self, states: list[_DraftState], candidates: list[list[_Node]], frontier: list[list[int]],
-                    fed: list[list[int]], bases: list[int]) -> list[torch.Tensor]:
-        """Feed one level of frontier nodes per request (rows padded to the widest), each seeing the
-        context and its ancestors among the tree nodes fed before; returns each request's logits
-        [len(frontier), vocab] and appends the fed nodes to `fed` (their keys are committed)."""
-        width = max(len(f) for f in frontier)
-        branch = max(len(f) for f in fed)
-        tokens = torch.zeros(len(states), width, dtype=torch.long)
-        positions = torch.zeros(len(states), width, dtype=torch.long)
-        branch_mask = torch.ones(len(states), width, branch, dtype=torch.bool)
-        for b, (nodes, front, done) in enumerate(zip(candidates, frontier, fed)):
-            for row, c in enumerate(front):
-                tokens[b, row] = nodes[c].token
-                positions[b, row] = bases[b] + nodes[c].depth - 1
-                ancestors = set()
-                a = nodes[c].parent
-                while a != ROOT:
-                    ancestors.add(a)
-                    a = nodes[a].parent
-                # done's keys are the slot's last len(done) committed keys; older branch columns are context.
-                offset = branch - len(done)
-                branch_mask[b, row, offset:] = torch.tensor([d in ancestors for d in done], dtype=torch.bool)
-            positions[b, len(front):] = positions[b, max(len(front) - 1, 0)]
-        eye = torch.eye(width, dtype=torch.bool)
-        logits = self.model(tokens, self.cache, slots=[s.slot for s in states], positions=positions, tree_mask=eye,
-                            exit_layer=self.exit_layer, branch_mask=branch_mask if branch else None)
-        out = []
-        for b, (state, front) in enumerate(zip(states, frontier)):
-            self.cache.commit(state.slot, self.cache.length(state.slot) + len(front))
-            fed[b].extend(front)
-            out.append(logits[b, :len(front)])
-        return out
+        return [best_tree(c, n) for c, n in zip(candidates, max_nodes)]
 
     def _propose_chains(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
                         max_ks: Sequence[int]) -> list[Proposal]:
@@ -292,19 +243,6 @@ def _tree_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.log_softmax(logits.float(), -1)
     return logits_to_probs(logits, params).log()
-
-
-def _best_tree(candidates: list[_Node], max_nodes: int) -> Proposal:
-    """The `max_nodes` best-scored candidates as a proposal, parents first and siblings best first. A
-    child's score is at most its parent's, and ties go to the shallower node, so every kept node's parent is
-    kept too."""
-    order = sorted(range(len(candidates)), key=lambda c: (-candidates[c].score, candidates[c].depth, c))
-    keep = sorted(order[:max_nodes], key=lambda c: (candidates[c].depth, -candidates[c].score, c))
-    index = {c: j for j, c in enumerate(keep)}
-    kept = [c for c in keep if candidates[c].parent == ROOT or candidates[c].parent in index]
-    index = {c: j for j, c in enumerate(kept)}
-    return Proposal([candidates[c].token for c in kept], None,
-                    [ROOT if candidates[c].parent == ROOT else index[candidates[c].parent] for c in kept])
 
 
 def check_tokenizers_match(target: Tokenizer, draft: Tokenizer) -> None:

@@ -32,7 +32,6 @@ so ours are vLLM's minus one.
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ import torch
 from torch import nn
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
-from specdraft.drafters.draft_model import TREE_BEAM, TREE_TOP_K, _best_tree, _Node
+from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
@@ -556,59 +555,42 @@ class EagleDrafter:
         bases = [self.cache.length(s.slot) for s in states]
         logits = {b: first_logits[b:b + 1] for b in range(len(states))}
         hiddens = {b: first_hidden[b:b + 1] for b in range(len(states))}  # rows of `frontier`
-        candidates: list[list[_Node]] = [[] for _ in states]
+        candidates: list[list[TreeNode]] = [[] for _ in states]
         source: list[list[torch.Tensor]] = [[] for _ in states]  # per candidate: the hidden state that proposed it
         fed: list[list[int]] = [[] for _ in states]
         frontier = [[ROOT] for _ in states]
+        to_target = self.head.draft_to_target.tolist()
         for level in range(1, max(ks) + 1):
             for b in range(len(states)):
                 if level > ks[b]:
                     continue
                 log_probs = torch.log_softmax(logits[b].float(), -1)
                 for row, parent in enumerate(frontier[b]):
-                    base = 0.0 if parent == ROOT else candidates[b][parent].score
-                    top = torch.topk(log_probs[row], min(TREE_TOP_K, max_nodes[b], log_probs.shape[-1]))
-                    for lp, draft_id in zip(top.values.tolist(), top.indices.tolist()):
-                        candidates[b].append(_Node(int(self.head.draft_to_target[draft_id]), parent, level, base + lp))
-                        source[b].append(hiddens[b][row])
+                    added = add_children(candidates[b], parent, log_probs[row], level, max_nodes[b],
+                                         to_target.__getitem__)
+                    source[b].extend([hiddens[b][row]] * added)
             growing = [b for b in range(len(states)) if level < ks[b]]
             if not growing:
                 break
-            for b in range(len(states)):
-                newest = [c for c, node in enumerate(candidates[b]) if node.depth == level]
-                frontier[b] = heapq.nlargest(TREE_BEAM, newest, key=lambda c, b=b: candidates[b][c].score) \
-                    if b in growing else []
-            width = max(len(frontier[b]) for b in growing)
-            branch = max(len(fed[b]) for b in growing)
-            tokens = torch.zeros(len(growing), width, dtype=torch.long)
-            hidden = torch.zeros(len(growing), width, first_hidden.shape[-1], dtype=first_hidden.dtype,
+            for b in growing:
+                frontier[b] = next_frontier(candidates[b], level)
+            block = level_block([candidates[b] for b in growing], [frontier[b] for b in growing],
+                                [fed[b] for b in growing], [bases[b] for b in growing])
+            hidden = torch.zeros(*block.tokens.shape, first_hidden.shape[-1], dtype=first_hidden.dtype,
                                  device=first_hidden.device)
-            positions = torch.zeros(len(growing), width, dtype=torch.long)
-            branch_mask = torch.ones(len(growing), width, branch, dtype=torch.bool)
             for g, b in enumerate(growing):
-                nodes = candidates[b]
                 for row, c in enumerate(frontier[b]):
-                    tokens[g, row] = nodes[c].token
                     hidden[g, row] = source[b][c]
-                    positions[g, row] = bases[b] + nodes[c].depth - 1
-                    ancestors = set()
-                    a = nodes[c].parent
-                    while a != ROOT:
-                        ancestors.add(a)
-                        a = nodes[a].parent
-                    offset = branch - len(fed[b])
-                    branch_mask[g, row, offset:] = torch.tensor([d in ancestors for d in fed[b]], dtype=torch.bool)
-                positions[g, len(frontier[b]):] = positions[g, max(len(frontier[b]) - 1, 0)]
             step_logits, step_hidden = self.head.step(
-                self._embed(tokens), hidden, self.cache, [states[b].slot for b in growing], positions=positions,
-                tree_mask=torch.eye(width, dtype=torch.bool), branch_mask=branch_mask if branch else None)
+                self._embed(block.tokens), hidden, self.cache, [states[b].slot for b in growing],
+                positions=block.positions, tree_mask=block.tree_mask, branch_mask=block.branch_mask)
             logits, hiddens = {}, {}
             for g, b in enumerate(growing):
                 n = len(frontier[b])
                 self.cache.commit(states[b].slot, self.cache.length(states[b].slot) + n)
                 fed[b].extend(frontier[b])
                 logits[b], hiddens[b] = step_logits[g, :n], step_hidden[g, :n]
-        return [_best_tree(c, n) for c, n in zip(candidates, max_nodes)]
+        return [best_tree(c, n) for c, n in zip(candidates, max_nodes)]
 
 
 def make_eagle_drafter(path: str, target: Transformer, max_len: int = 4096, max_batch: int = 1) -> EagleDrafter:
