@@ -75,7 +75,7 @@ def test_unroll_matches_drafting_with_a_cache(target):
         out = target.forward_sequence(seq, capture_layers=layers)
         aux = torch.cat(list(out.captured), dim=-1)[:, :T - 1]
         fused = head.fuse(aux)
-        embeds = target._embed(seq[:, 1:])
+        embeds = target.embed_tokens(seq[:, 1:])
         steps = 3
         padded = torch.cat([embeds, torch.zeros(1, steps - 1, embeds.shape[-1])], dim=1)
         unrolled = head.unroll(padded, fused, steps)

@@ -46,7 +46,16 @@ from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, be
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
-from specdraft.runtime.model import MLP, Attention, Linear, RMSNorm, Transformer, apply_rope, rope_inv_freq
+from specdraft.runtime.model import (
+    MLP,
+    Attention,
+    Linear,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    attention_masks,
+    rope_inv_freq,
+)
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
 
 CONFIG_FILE = "config.json"
@@ -318,8 +327,7 @@ class EagleHead(nn.Module):
         if positions is None:
             positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
-        # The runtime's mask builder, on a one-layer all-"full" config.
-        mask = Transformer._masks(self, starts, positions, tree_mask, key_len, branch_mask)["full"]
+        mask = attention_masks(self.config, starts, positions, tree_mask, key_len, branch_mask)["full"]
         rows = torch.tensor(slots, device=device)[:, None]
         index = (rows, torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device))
         hidden = hidden.to(self.dtype)
@@ -443,7 +451,7 @@ class EagleDrafter:
     # ------------------------------------------------------------------------------------------ drafting
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.target._embed(tokens.to(self.target.device))
+        return self.target.embed_tokens(tokens.to(self.target.device))
 
     def _catch_up(self, states: list[_EagleState], contexts: Sequence[Sequence[int]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:

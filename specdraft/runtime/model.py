@@ -325,11 +325,11 @@ class Transformer(nn.Module):
             offsets = torch.tensor(starts, device=tokens.device)[:, None]
             positions = offsets + torch.arange(T, device=tokens.device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
-        masks = self._masks(starts, positions, tree_mask, key_len, branch_mask)
+        masks = attention_masks(self.config, starts, positions, tree_mask, key_len, branch_mask)
 
         rows = torch.tensor(slots, device=tokens.device)[:, None]
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
-        x = self._embed(tokens)
+        x = self.embed_tokens(tokens)
         num_layers = len(self.layers) if exit_layer is None else exit_layer
         self._check_capture(capture_layers, num_layers)
         if self.fused.applies(self, T, cache):
@@ -354,15 +354,17 @@ class Transformer(nn.Module):
         PyTorch modules only; decoding goes through `forward`."""
         B, T = tokens.shape
         positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)
-        masks = self._masks([0] * B, positions, None, T)
+        masks = attention_masks(self.config, [0] * B, positions, None, T)
         ropes = {kind: self._rope(positions, kind) for kind in set(self.config.layer_types)}
         self._check_capture(capture_layers, len(self.layers))
-        x, captured = self._run_layers(self._embed(tokens), ropes, masks, self._causal(T, True), None, (), None,
+        x, captured = self._run_layers(self.embed_tokens(tokens), ropes, masks, self._causal(T, True), None, (), None,
                                        capture_layers)
         hidden = self.norm(x)
         return ForwardOutput(self._head(hidden, exact_rows=False), hidden, captured)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the first layer receives them (Gemma's scale included); draft heads that
+        share the target's embeddings read them here."""
         x = self.embed(tokens)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -417,42 +419,43 @@ class Transformer(nn.Module):
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return emb.cos().to(self.dtype), signed_sin.to(self.dtype)
 
-    def _masks(self, starts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None,
-               key_len: int, branch_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Additive fp32 masks [B, 1, T, 1, key_len] per layer kind.
 
-        A new token sees every committed key (within the sliding window, by position) and the new keys that
-        `tree_mask` allows; stale keys past the new block and the padding up to key_len are hidden.
-        """
-        B, T = positions.shape
-        device = positions.device
-        key_idx = torch.arange(key_len, device=device)
-        start_t = torch.tensor(starts, device=device)[:, None]                      # [B, 1]
-        committed = key_idx[None, :] < start_t                                     # [B, L]
-        if tree_mask is None:
-            tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        tree_mask = tree_mask.expand(B, T, T)
-        visible = committed[:, None, :].expand(B, T, key_len).clone()
-        if branch_mask is not None:  # committed tree nodes: visible to their descendants only
-            m = branch_mask.shape[-1]
-            branch_rel = key_idx[None, :] - (start_t - m)                           # [B, L]
-            in_branch = ((branch_rel >= 0) & (branch_rel < m))[:, None, :]
-            branch_vis = torch.gather(branch_mask.to(device), 2,
-                                      branch_rel.clamp(0, m - 1)[:, None, :].expand(B, T, key_len))
-            visible &= ~in_branch | branch_vis
-        rel = key_idx[None, :] - start_t                                            # [B, L]
-        in_block = (rel >= 0) & (rel < T)
-        block_vis = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))
-        visible |= in_block[:, None, :] & block_vis
-        out = {"full": _additive(visible)}
-        if "sliding" in self.config.layer_types:
-            key_pos = torch.where(committed, key_idx[None, :], torch.zeros_like(key_idx)[None, :])
-            new_pos = torch.gather(positions, 1, rel.clamp(0, T - 1))
-            key_pos = torch.where(in_block, new_pos, key_pos)                       # [B, L]
-            window = self.config.sliding_window
-            near = key_pos[:, None, :] > positions[:, :, None] - window             # [B, T, L]
-            out["sliding"] = _additive(visible & near)
-        return out
+def attention_masks(config: ModelConfig, starts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                    key_len: int, branch_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Additive fp32 masks [B, 1, T, 1, key_len] per layer kind.
+
+    A new token sees every committed key (within the sliding window, by position) and the new keys that
+    `tree_mask` allows; stale keys past the new block and the padding up to key_len are hidden.
+    """
+    B, T = positions.shape
+    device = positions.device
+    key_idx = torch.arange(key_len, device=device)
+    start_t = torch.tensor(starts, device=device)[:, None]                      # [B, 1]
+    committed = key_idx[None, :] < start_t                                     # [B, L]
+    if tree_mask is None:
+        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    tree_mask = tree_mask.expand(B, T, T)
+    visible = committed[:, None, :].expand(B, T, key_len).clone()
+    if branch_mask is not None:  # committed tree nodes: visible to their descendants only
+        m = branch_mask.shape[-1]
+        branch_rel = key_idx[None, :] - (start_t - m)                           # [B, L]
+        in_branch = ((branch_rel >= 0) & (branch_rel < m))[:, None, :]
+        branch_vis = torch.gather(branch_mask.to(device), 2,
+                                  branch_rel.clamp(0, m - 1)[:, None, :].expand(B, T, key_len))
+        visible &= ~in_branch | branch_vis
+    rel = key_idx[None, :] - start_t                                            # [B, L]
+    in_block = (rel >= 0) & (rel < T)
+    block_vis = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))
+    visible |= in_block[:, None, :] & block_vis
+    out = {"full": _additive(visible)}
+    if "sliding" in config.layer_types:
+        key_pos = torch.where(committed, key_idx[None, :], torch.zeros_like(key_idx)[None, :])
+        new_pos = torch.gather(positions, 1, rel.clamp(0, T - 1))
+        key_pos = torch.where(in_block, new_pos, key_pos)                       # [B, L]
+        window = config.sliding_window
+        near = key_pos[:, None, :] > positions[:, :, None] - window             # [B, T, L]
+        out["sliding"] = _additive(visible & near)
+    return out
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:

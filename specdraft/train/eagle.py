@@ -103,7 +103,7 @@ class _Batch:
         with torch.no_grad():
             out = target.forward_sequence(tokens[:, :T].to(target.device), capture_layers=unique)
             aux = torch.cat([out.captured[unique.index(layer)] for layer in layers], dim=-1).float()
-            self.embeds = target._embed(tokens[:, 1:T + steps - 1].to(target.device)).float()
+            self.embeds = target.embed_tokens(tokens[:, 1:T + steps - 1].to(target.device)).float()
             logits = out.logits.float()
             self.target_argmax = logits.argmax(-1).cpu()  # [B, T]
             self.soft = torch.softmax(logits[..., head.draft_to_target], dim=-1)  # over the draft vocab
