@@ -7,6 +7,7 @@ pass, for linear blocks and token trees. Also: the fallback when the library can
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 
@@ -17,7 +18,7 @@ from specdraft.runtime import ModelConfig, Transformer, cpu_kernels
 from specdraft.runtime.fused import ThreadGovernor
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: kernels not built")
-FAMILIES = ["llama", "qwen", "gemma3"]
+FAMILIES = ["llama", "qwen", "gemma3", "llama_hd64", "gemma3_hd32"]
 
 
 def test_kernels_build_where_a_compiler_exists():
@@ -31,6 +32,13 @@ def kernel_config(family: str) -> ModelConfig:
     common = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024,
                   attn_scale=16 ** -0.5)
+    # Heads of 64 dims (3 sharing a kv head) and of 32 (with softcapping and sliding windows): the AMX
+    # attention's two tile loops; 16-dim heads fall back to the vector attention.
+    if family == "llama_hd64":
+        common.update(num_heads=6, head_dim=64, attn_scale=64 ** -0.5)
+        return ModelConfig(model_type="llama", layer_types=["full"] * 3, tie_word_embeddings=False, **common)
+    if family == "gemma3_hd32":
+        common.update(head_dim=32, attn_scale=32 ** -0.5)
     if family == "llama":
         return ModelConfig(model_type="llama", layer_types=["full"] * 3, tie_word_embeddings=False, **common)
     if family == "qwen":
@@ -66,7 +74,7 @@ def prefilled(model: Transformer, prompt: torch.Tensor, max_len: int = 256):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 32, 40])
 def test_linear_kernel_matches_fp32_and_rows_are_independent(rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(37, 96, generator=gen).to(torch.bfloat16)  # 37 outputs: partial tiles at the end
@@ -297,9 +305,12 @@ def _cpu_flags() -> set[str]:
 
 
 # Every code path of the kernels this CPU can run, as the -march that selects it: the native build covers the
-# best one (the rest of this file); these build the others. x86-64-v4 is AVX-512 without BF16.
+# best one (the rest of this file); these build the others. x86-64-v4 is AVX-512 without BF16; cooperlake is
+# AVX512-BF16 without AMX (the path of AMD Zen 4, and of Intel CPUs whose kernel refuses the tile state).
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 SIMD_BUILDS = [("x86-64", "portable", set()), ("x86-64-v3", "avx2", {"avx2", "fma"}),
-               ("x86-64-v4", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})]
+               ("x86-64-v4", "avx512", _AVX512),
+               ("cooperlake", "avx512bf16", _AVX512 | {"avx512cd", "avx512_vnni", "avx512_bf16"})]
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
@@ -316,12 +327,22 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", march)
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
-    assert cpu_kernels.simd_path() == path and cpu_kernels.k_multiple() == 16
-    for rows in (1, 5):
+    assert cpu_kernels.simd_path() == path
+    assert cpu_kernels.k_multiple() == (32 if path == "avx512bf16" else 16)
+    for rows in (1, 5, 17):
         test_linear_kernel_matches_fp32_and_rows_are_independent(rows)
     for family in FAMILIES:
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)
         test_fused_forward_as_accurate_as_pytorch_ops(family)
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get("SPECDRAFT_KERNEL_AMX") == "0", reason="AMX turned off by the environment")
+def test_amx_tiles_are_used_where_the_cpu_has_them():
+    """On Intel CPUs with AMX the native build multiplies on tiles (the rest of this file then tests that
+    path); elsewhere it must not claim to."""
+    has_amx = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+    assert (cpu_kernels.simd_path() == "amx") == has_amx
 
 
 @needs_kernels

@@ -50,8 +50,12 @@ int sd_has_avx512(void) {
 #endif
 }
 
-/* Which code path the linear layers were built for: 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
+/* Set by sd_amx_init (AMX builds, when Linux grants the tile state). */
+int sd_amx_active = 0;
+
+/* Which code path the linear layers take: 4 AMX tiles, 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int sd_simd_level(void) {
+    if (sd_amx_active) return 4;
 #if defined(__AVX512BF16__)
     return 3;
 #elif defined(SD_AVX512)
@@ -548,11 +552,179 @@ static void linear_panel_for(const float *x, const void *w, const bf16 *bias, bf
 }
 #endif
 
+#if X_IS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX tiles (Intel Sapphire Rapids and later). One TDPBF16PS multiplies a 16 x 32 bf16 tile of weights by a
+ * 32 x 16 tile of inputs into 16 x 16 fp32 sums, so a block of up to 32 tokens costs about what one does and
+ * verification is bound by reading the weights, not by arithmetic. Each output element is accumulated by the
+ * hardware over k in the same order whatever the other rows and columns hold: every input row gets the same
+ * bits in a block of 32 as alone, provided every bf16 linear layer of the process takes this path (decoding
+ * one token included), which `sd_amx_active` decides once, at load. */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Ask Linux for the tile state (a process-wide permission); 1 when granted: AMX is then used. */
+int sd_amx_init(void) {
+    sd_amx_active = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return sd_amx_active;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Eight 16-row x 64-byte tiles: 0-3 sums (weight tile i x input tile j at 2j + i), 4-5 weights, 6-7 inputs.
+ * Loaded at every call: other libraries in the process (oneDNN) configure tiles their own way. */
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* x [M, K] in the layout TDPBF16PS reads its second operand in (pairs of k interleaved across rows), one
+ * block of tile_words = 16 * K / 2 words per 16 rows: block t, word kp * 16 + j = (x[16t + j, 2kp],
+ * x[16t + j, 2kp + 1]); rows past M are zero. Decoding packs one row into 16, so each thread keeps a zeroed
+ * buffer per input width (a layer has two: the model width and the MLP's) and rewrites only the rows it used
+ * last time: packing then costs K/2 words per row instead of 8K. */
+#define AMX_PACKS 4
+typedef struct {
+    int64_t K, rows;
+    size_t words;
+    uint32_t *buf;
+} amx_pack;
+static __thread amx_pack amx_packs[AMX_PACKS];
+static __thread int amx_next_pack;
+
+static const uint32_t *amx_pack_inputs(const bf16 *x, int64_t M, int64_t K) {
+    const int64_t pairs = K / 2, mtiles = (M + 15) / 16;
+    const size_t need = (size_t)(mtiles * 16 * pairs);
+    amx_pack *pk = NULL;
+    for (int i = 0; i < AMX_PACKS; i++)
+        if (amx_packs[i].buf && amx_packs[i].K == K) pk = &amx_packs[i];
+    if (!pk || pk->words < need) {
+        if (!pk) {
+            pk = &amx_packs[amx_next_pack];
+            amx_next_pack = (amx_next_pack + 1) % AMX_PACKS;
+        }
+        free(pk->buf);
+        pk->buf = calloc(need, sizeof(uint32_t));
+        pk->K = K;
+        pk->rows = 0;
+        pk->words = pk->buf ? need : 0;
+        if (!pk->buf) return NULL;
+    }
+    const uint32_t *x32 = (const uint32_t *)x;
+    for (int64_t r = 0; r < (M > pk->rows ? M : pk->rows); r++) {
+        uint32_t *out = pk->buf + (r / 16) * 16 * pairs + r % 16;
+        if (r < M)
+            for (int64_t kp = 0; kp < pairs; kp++) out[kp * 16] = x32[r * pairs + kp];
+        else
+            for (int64_t kp = 0; kp < pairs; kp++) out[kp * 16] = 0;
+    }
+    pk->rows = M;
+    return pk->buf;
+}
+
+static void amx_store(int tile, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t n0, int64_t m0) {
+    float sums[16 * 16]; /* sums[i * 16 + j]: weight row n0 + i, input row m0 + j */
+    switch (tile) {
+        case 0: _tile_stored(0, sums, 64); break;
+        case 1: _tile_stored(1, sums, 64); break;
+        case 2: _tile_stored(2, sums, 64); break;
+        default: _tile_stored(3, sums, 64); break;
+    }
+    const int64_t ni = N - n0 < 16 ? N - n0 : 16, mj = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t j = 0; j < mj; j++)
+        for (int64_t i = 0; i < ni; i++) {
+            float v = sums[i * 16 + j];
+            if (bias) v += bf2f(bias[n0 + i]);
+            y[(m0 + j) * N + n0 + i] = f2bf(v);
+        }
+}
+
+/* y = x @ w^T (+ bias) on tiles, work-shared over pairs of 16-feature weight tiles; K a multiple of 32. Each
+ * thread packs the inputs itself (they are small), so the threads never wait for one another. */
+static void linear_amx_for(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                           int64_t K) {
+    const int64_t mtiles = (M + 15) / 16, tile_words = 16 * (K / 2);
+    const int64_t npairs = (N + 31) / 32;
+    const uint32_t *packed = amx_pack_inputs(x, M, K);
+    if (!packed) abort(); /* no memory for a few KB of packed inputs */
+    bf16 *padded = NULL; /* the last, partial weight tile, zero-padded to 16 rows */
+    amx_configure();
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < npairs; p++) {
+        const int64_t n0 = 32 * p, n1 = n0 + 16;
+        const int two = n1 < N;
+        const bf16 *w0 = w + n0 * K, *w1 = two ? w + n1 * K : NULL;
+        const int64_t last = two ? n1 : n0; /* a tile with fewer than 16 rows left is read from a padded copy */
+        if (N - last < 16) {
+            if (!padded) padded = calloc((size_t)(16 * K), sizeof(bf16));
+            if (!padded) abort();
+            memcpy(padded, w + last * K, (size_t)((N - last) * K) * sizeof(bf16));
+            if (two) w1 = padded; else w0 = padded;
+        }
+        const char *next = (const char *)(w + (n0 + 32) * K);
+        for (int64_t t = 0; t < mtiles; t += 2) {
+            const int second = t + 1 < mtiles;
+            const uint32_t *b0 = packed + t * tile_words, *b1 = second ? b0 + tile_words : NULL;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < K; k += 32) {
+                /* The next pair's 32 weight rows are contiguous: bring 1/(K/32) of them into L2 per step, in
+                 * order (tile loads jump by a row, which the hardware prefetchers follow poorly; measured on
+                 * Sapphire Rapids, fetching into L1 instead is slower than no prefetch at all). */
+                for (int l = 0; l < 32; l++) _mm_prefetch(next + 64 * (k + l), _MM_HINT_T1);
+                _tile_loadd(4, w0 + k, K * sizeof(bf16));
+                _tile_loadd(6, b0 + k * 8, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(5, w1 + k, K * sizeof(bf16));
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (second) {
+                    _tile_loadd(7, b1 + k * 8, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            amx_store(0, bias, y, M, N, n0, 16 * t);
+            if (two) amx_store(1, bias, y, M, N, n1, 16 * t);
+            if (second) {
+                amx_store(2, bias, y, M, N, n0, 16 * (t + 1));
+                if (two) amx_store(3, bias, y, M, N, n1, 16 * (t + 1));
+            }
+        }
+    }
+    free(padded);
+}
+#else
+int sd_amx_init(void) { return 0; }
+#endif
+
 /* Work-shared over blocks of 16 output features: call inside a parallel region (or alone, serially).
  * bf16 weights read xin; int8 weights (scale != NULL, one scale per output) read x32, x widened to fp32. */
 static void linear_for(const xin_t *xin, const float *x32, const void *w, const bf16 *scale, const bf16 *bias,
                        bf16 *y, int64_t M, int64_t N, int64_t K) {
     const int64_t pf = (int64_t)sd_prefetch_tiles * 4 * K;
+#ifdef SD_AMX
+    if (!scale && sd_amx_active) {
+        linear_amx_for(xin, w, bias, y, M, N, K);
+        return;
+    }
+#endif
 #ifdef HAVE_PANEL
     if (!scale && M >= 4) {
         linear_panel_for(xin, w, bias, y, M, N, K);
@@ -736,6 +908,189 @@ static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
     }
 }
 
+#ifdef SD_AMX
+/* e^x for x <= 0 (scores minus their maximum) on 16 lanes: 2^n p(r), r = x - n ln 2 (ln 2 in two parts),
+ * p of degree 7 with Cephes expf's coefficients (relative error about 2e-7, as libm's expf). The same
+ * operations on every lane: a value depends on its x alone. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is still a normal float; lower would be 0 anyway */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Key block kb (16 rows of D) of one sequence and kv head; the last, partial one zero-padded into kpad. */
+static inline const bf16 *amx_key_tile(const bf16 *keys, int64_t kb, int64_t key_len, int64_t D, bf16 *kpad) {
+    if (kb * 16 + 16 <= key_len) return keys + kb * 16 * D;
+    memset(kpad, 0, (size_t)(16 * D) * sizeof(bf16));
+    memcpy(kpad, keys + kb * 16 * D, (size_t)((key_len - kb * 16) * D) * sizeof(bf16));
+    return kpad;
+}
+
+/* Sums tile (0 or 6: key k of block kb x query j at k * 16 + j) into scores[j * stride + kb * 16 + k]. */
+static inline void amx_scatter_scores(int tile, float *scores, int64_t stride, int64_t kb, int64_t nq) {
+    float sums[16 * 16];
+    if (tile == 0)
+        _tile_stored(0, sums, 64);
+    else
+        _tile_stored(6, sums, 64);
+    for (int64_t j = 0; j < nq; j++)
+        for (int k = 0; k < 16; k++) scores[j * stride + kb * 16 + k] = sums[k * 16 + j];
+}
+#endif
+
+#ifdef SD_AMX
+/* Attention with the query-key products on AMX tiles (AMX builds; the softmax and the weighted sum of values
+ * as in attention_for). A tile multiplies 16 cached keys (read in place: a key row is a tile row) by 16
+ * queries of one sequence and kv head (the rows of the block times the heads sharing that kv head), so a
+ * block of 32 tokens reads each key once per 16 queries instead of once per query, and no horizontal sums
+ * are left. Each score is the hardware's sum for its own (query, key) pair, independent of the other queries
+ * in the tile: a row gets the same bits in any block. Work-shared over (sequence, kv head, 16 queries). */
+static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *slots,
+                              const float *mask, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                              int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out) {
+    const int64_t group = H / Hkv, queries = T * group, qtiles = (queries + 15) / 16;
+    const int64_t units = B * Hkv * qtiles, kblocks = (key_len + 15) / 16, stride = kblocks * 16;
+    const int64_t words = D / 2; /* uint32 pairs per query or key row */
+    float *scores = malloc((size_t)(16 * stride) * sizeof(float));
+    uint32_t *packed = malloc((size_t)(16 * words) * sizeof(uint32_t));
+    bf16 *kpad = malloc((size_t)(16 * D) * sizeof(bf16));
+    float acc[16], inv[16];
+    if (!scores || !packed || !kpad) abort();
+    amx_configure();
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t qt = u % qtiles, kv = (u / qtiles) % Hkv, b = u / (qtiles * Hkv);
+        const int64_t q0 = 16 * qt, nq = queries - q0 < 16 ? queries - q0 : 16;
+        const int64_t cache_base = (slots[b] * Hkv + kv) * max_len * D;
+        /* queries as TDPBF16PS's second operand, 32 dims per block: word (c * 16 + p) * 16 + j is the pair
+         * c * 16 + p of query q0 + j (query i of the unit: row i / group of the block, head kv * group + i % group) */
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t i = q0 + j;
+            const uint32_t *qrow = (const uint32_t *)(q + ((b * T + i / group) * H + kv * group + i % group) * D);
+            for (int64_t w = 0; w < words; w++) packed[w * 16 + j] = j < nq ? qrow[w] : 0;
+        }
+        const bf16 *keys = k_cache + cache_base;
+        if (D == 64) {
+            /* The queries stay in tiles 2-3; two key blocks at a time (tiles 1, 4 and 5, 7 into sums 0 and 6)
+             * so that one block's products overlap the other's loads. The same sums as below, in the same order. */
+            _tile_loadd(2, packed, 64);
+            _tile_loadd(3, packed + 256, 64);
+            for (int64_t kb = 0; kb < kblocks; kb += 2) {
+                const int two = kb + 1 < kblocks;
+                const bf16 *k0 = amx_key_tile(keys, kb, key_len, D, kpad);
+                _tile_zero(0);
+                _tile_loadd(1, k0, 128);
+                _tile_loadd(4, k0 + 32, 128);
+                _tile_dpbf16ps(0, 1, 2);
+                if (two) {
+                    const bf16 *k1 = amx_key_tile(keys, kb + 1, key_len, D, kpad);
+                    _tile_zero(6);
+                    _tile_loadd(5, k1, 128);
+                    _tile_loadd(7, k1 + 32, 128);
+                    _tile_dpbf16ps(6, 5, 2);
+                }
+                _tile_dpbf16ps(0, 4, 3);
+                if (two) _tile_dpbf16ps(6, 7, 3);
+                amx_scatter_scores(0, scores, stride, kb, nq);
+                if (two) amx_scatter_scores(6, scores, stride, kb + 1, nq);
+            }
+        } else {
+            for (int64_t kb = 0; kb < kblocks; kb++) {
+                const bf16 *k0 = amx_key_tile(keys, kb, key_len, D, kpad);
+                _tile_zero(0);
+                for (int64_t c = 0; c < D / 32; c++) {
+                    _tile_loadd(1, k0 + 32 * c, D * sizeof(bf16));
+                    _tile_loadd(2, packed + c * 256, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                amx_scatter_scores(0, scores, stride, kb, nq);
+            }
+        }
+        /* Softmax per query, in place, 16 keys per vector (lane k % 16 holds key k whatever key_len, and keys
+         * past a row's own are masked, so extra blocks add exact zeros): masked keys get probability 0 and
+         * are skipped below. */
+        const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nq; j++) {
+            const int64_t i = q0 + j, row = b * T + i / group;
+            const float *m = mask + row * key_len;
+            float *s = scores + j * stride;
+            if (softcap > 0.0f)
+                for (int64_t k = 0; k < key_len; k++)
+                    s[k] = m[k] == -INFINITY ? -INFINITY : tanhf(s[k] * scale / softcap) * softcap + m[k];
+            __m512 vbest = minus_inf;
+            for (int64_t k = 0; k < key_len; k += 16) {
+                const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
+                const __m512 mk = _mm512_mask_loadu_ps(minus_inf, lanes, m + k);
+                __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
+                if (softcap <= 0.0f) v = _mm512_add_ps(_mm512_mul_ps(v, vscale), mk); /* rounded as attention_for */
+                v = _mm512_mask_mov_ps(minus_inf, _mm512_cmp_ps_mask(mk, minus_inf, _CMP_NEQ_OQ), v);
+                _mm512_mask_storeu_ps(s + k, lanes, v);
+                vbest = _mm512_max_ps(vbest, v);
+            }
+            const float best = _mm512_reduce_max_ps(vbest);
+            __m512 vtotal = _mm512_setzero_ps();
+            if (best != -INFINITY) {
+                const __m512 vb = _mm512_set1_ps(best);
+                for (int64_t k = 0; k < key_len; k += 16) {
+                    const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
+                    const __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
+                    const __mmask16 live = lanes & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
+                    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, vb)));
+                    vtotal = _mm512_add_ps(vtotal, p);
+                    _mm512_mask_storeu_ps(s + k, lanes, p);
+                }
+            } else {
+                for (int64_t k = 0; k < key_len; k++) s[k] = 0.0f;
+            }
+            const float total_p = _mm512_reduce_add_ps(vtotal);
+            inv[j] = total_p > 0.0f ? 1.0f / total_p : 0.0f;
+        }
+        /* Weighted values: up to 4 queries at a time share each value row's conversion to fp32; each query
+         * still adds its keys in order with one FMA per lane, as attention_for does. */
+        const bf16 *values = v_cache + cache_base;
+        for (int64_t j0 = 0; j0 < nq; j0 += 4) {
+            const int n = nq - j0 < 4 ? (int)(nq - j0) : 4;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int lanes = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
+                __m512 a[4][4];
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 4; l++) a[j][l] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < key_len; k++) {
+                    __m512 v[4];
+                    for (int l = 0; l < lanes; l++) v[l] = load_bf16x16(values + k * D + d0 + 16 * l);
+                    for (int j = 0; j < n; j++) {
+                        const float p = scores[(j0 + j) * stride + k];
+                        if (p == 0.0f) continue; /* masked (or underflowed: adding 0 changes no bit) */
+                        const __m512 vp = _mm512_set1_ps(p);
+                        for (int l = 0; l < lanes; l++) a[j][l] = _mm512_fmadd_ps(vp, v[l], a[j][l]);
+                    }
+                }
+                for (int j = 0; j < n; j++) {
+                    const int64_t i = q0 + j0 + j, row = b * T + i / group, h = kv * group + i % group;
+                    for (int l = 0; l < lanes; l++) {
+                        _mm512_storeu_ps(acc, _mm512_mul_ps(a[j][l], _mm512_set1_ps(inv[j0 + j])));
+                        for (int e = 0; e < 16; e++) out[(row * H + h) * D + d0 + 16 * l + e] = f2bf(acc[e]);
+                    }
+                }
+            }
+        }
+    }
+    free(kpad);
+    free(packed);
+    free(scores);
+}
+#endif
+
 /* ---- gated MLP activation ------------------------------------------------------------------------------ */
 
 /* gate_up [rows, 2I] -> out [rows, I] = act(gate) * up; act is SiLU or tanh-approximated GELU. */
@@ -825,6 +1180,12 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
 #pragma omp single
             rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
                        v_caches[l], rows, H, Hkv, D, mdl->max_len, q, scratch);
+#ifdef SD_AMX
+            if (sd_amx_active && D % 32 == 0)
+                attention_amx_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
+                                  mdl->scale, mdl->softcap, att);
+            else
+#endif
             attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
             linear_any(att, L->wo, L->wo_scale, NULL, h, rows, dim, H * D, xf);

@@ -7,6 +7,12 @@ self-draft), residual add + RMSNorm, q/k norm + RoPE + cache write, attention an
 the threads of one OpenMP parallel region. Every token row is computed with the same operations whatever
 the number of rows, so verifying K draft tokens gives each one the bits it gets when decoded alone.
 
+Linear layers take the best path the CPU has: AMX tiles (Intel Sapphire Rapids and later: a block of up to 32
+tokens costs little more than one, since the tiles do the arithmetic at the speed the weights stream in),
+AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one path for every bf16 layer
+(decoding one token included), so the bits never depend on the block. `SPECDRAFT_KERNEL_AMX=0` keeps an AMX
+CPU on the AVX512-BF16 path.
+
 The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
 `$SPECDRAFT_CACHE/kernels/`. Without a compiler, or with `SPECDRAFT_KERNELS=0`, the model runs its PyTorch
 code instead (same results up to bf16 rounding, slower).
@@ -98,6 +104,7 @@ _SIGNATURES = {
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
     "sd_simd_level": ([], ctypes.c_int),
+    "sd_amx_init": ([], ctypes.c_int),
 }
 
 
@@ -117,6 +124,8 @@ def load() -> ctypes.CDLL | None:
         for name, (argtypes, restype) in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = restype
+        if os.environ.get("SPECDRAFT_KERNEL_AMX", "1") != "0":
+            lib.sd_amx_init()  # AMX builds use tiles from here on, for every bf16 linear layer, if Linux allows
         _lib = lib
     except (OSError, RuntimeError) as exc:
         _load_error = str(exc)
@@ -160,11 +169,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, thr
     return y
 
 
-SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16")
+SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16", "amx")
 
 
 def simd_path() -> str:
-    """The code path the library was built for on this CPU: avx512bf16, avx512, avx2 (+FMA) or portable."""
+    """The code path the linear layers take on this CPU: amx (tiles), avx512bf16, avx512, avx2 (+FMA) or
+    portable. AMX builds take the avx512bf16 path where Linux refuses the tile state or SPECDRAFT_KERNEL_AMX=0."""
     return SIMD_PATHS[_lib.sd_simd_level()]
 
 
