@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_commands(sub)
 
     from specdraft.train.cli import add_commands as add_train_commands
+    from specdraft.train.cli import add_export_command
 
     add_train_commands(sub)  # distill, train eagle
+    add_export_command(sub)  # export eagle
 
     args = parser.parse_args(argv)
     try:

@@ -15,7 +15,7 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, aux_f
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
-from specdraft.train.data import load_split, read_shard
+from specdraft.train.data import load_split, read_shard, train_val_split
 from specdraft.train.distill import DistillConfig, distill
 from specdraft.train.eagle import TrainConfig, train_eagle
 from specdraft.verify.sampling import SamplingParams
@@ -300,13 +300,17 @@ def test_distill_writes_shards_and_resumes(target, tmp_path):
         distill(eng, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert not manifest["complete"] and len(manifest["shards"]) == 2
+    # Stopped before its validation prompts: training holds out the last training sequences instead.
+    with pytest.warns(UserWarning, match="holding out its last 1"):
+        early_train, early_val = train_val_split(tmp_path)
+    assert len(early_train) == 3 and len(early_val) == 1
     eng.generate_many = lambda p, s: calls.append(len(p)) or original(p, s)
     manifest = distill(eng, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
     assert calls == [2, 2, 1, 1]  # train shards of 2, 2 and 1 prompts, then the held-out one; none twice
     assert manifest["complete"] and manifest["train_sequences"] == 5 and manifest["val_sequences"] == 1
     train = load_split(tmp_path, "train")
     val = load_split(tmp_path, "val")
-    assert len(train) == 5 and len(val) == 1
+    assert len(train) == 5 and len(val) == 1 and train_val_split(tmp_path) == (train, val)
     for i, seq in enumerate(train + val):
         ids = [ord(c) - 97 for c in prompts[i]]
         assert seq[:len(ids)] == ids and len(seq) == len(ids) + 8
@@ -322,7 +326,8 @@ def test_distill_writes_shards_and_resumes(target, tmp_path):
 def test_cli_registers_train_and_distill(capsys):
     from specdraft.cli import main
 
-    for argv in (["distill", "--help"], ["train", "eagle", "--help"]):
+    for argv in (["distill", "--help"], ["train", "eagle", "--help"], ["train", "medusa", "--help"],
+                 ["export", "eagle", "--help"]):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
@@ -333,3 +338,60 @@ def test_aux_features_order():
     hidden = {0: torch.zeros(3, 2), 1: torch.ones(3, 2), 2: torch.full((3, 2), 2.0)}
     out = aux_features(hidden, [2, 0, 1], rows=[0, 2])
     assert out.shape == (2, 6) and out[0].tolist() == [2, 2, 0, 0, 1, 1]
+
+
+def test_speculators_export_loads_back_with_identical_proposals(target, tmp_path):
+    """The export vLLM and SGLang read: every field they look at, typed as they expect, tensors under the
+    speculators names, and the same proposals when specdraft loads it back."""
+    head = random_head(target)
+    head.save(tmp_path / "spec", format="speculators", verifier="org/target",
+              verifier_architectures=["LlamaForCausalLM"], speculative_tokens=4)
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == ["Eagle3Speculator"]
+    assert raw["draft_vocab_size"] == 12 and raw["norm_before_residual"] is False
+    assert raw["target_hidden_size"] == 32 and raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    layer = raw["transformer_layer_config"]
+    assert isinstance(layer, dict) and layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "max_position_embeddings"):
+        assert isinstance(layer[key], int), key
+    assert isinstance(layer["rms_norm_eps"], float) and isinstance(layer["rope_theta"], float)
+    spec = raw["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["verifier"]["name_or_path"] == "org/target"
+    method = spec["proposal_methods"][0]
+    assert method["speculative_tokens"] == 4 and spec["default_proposal_method"] == method["proposal_type"]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "spec" / "model.safetensors"))
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"layers.0.{name}.weight" for name in (
+            "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(tensors) == expected
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    loaded = make_drafter(f"eagle:{tmp_path / 'spec'}", target, ToyTokenizer(VOCAB), max_len=256, max_batch=2)
+    original = EagleDrafter(head, target, max_len=256, max_batch=2)
+    for tree in (0, 8):
+        for x, y in zip(_proposals(original, target, True, tree), _proposals(loaded, target, True, tree)):
+            assert x.tokens == y.tokens and x.parents == y.parents
+    with pytest.raises(SpecdraftError, match="format"):
+        head.save(tmp_path / "bad", format="medusa")
+
+
+def test_export_command_writes_the_speculators_layout_for_a_bundled_target(tmp_path):
+    from specdraft.cli import main
+    from specdraft.runtime import load_model
+
+    real = load_model("smollm2-135m", dtype="bf16", progress=False)
+    head = EagleHead(EagleConfig.for_target(real, draft_vocab_size=64)).init_weights(0)
+    head.set_draft_vocab(torch.arange(64))
+    head.save(tmp_path / "head")
+    assert main(["export", "eagle", "--model", "smollm2-135m", "--head", f"eagle:{tmp_path / 'head'}",
+                 "--out", str(tmp_path / "out")]) == 0
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert torch.equal(EagleHead.load(tmp_path / "out").lm_head.weight, head.lm_head.weight)
+    assert main(["export", "eagle", "--model", "smollm2-135m", "--head", str(tmp_path / "head"),
+                 "--out", str(tmp_path / "head")]) == 2  # would overwrite its input

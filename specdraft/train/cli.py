@@ -1,4 +1,4 @@
-"""`specdraft distill` and `specdraft train eagle`."""
+"""`specdraft distill`, `specdraft train eagle|medusa` and `specdraft export eagle`."""
 
 from __future__ import annotations
 
@@ -40,6 +40,86 @@ def add_commands(sub) -> None:
     eagle.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     eagle.set_defaults(func=cmd_train_eagle)
 
+    medusa = kinds.add_parser("medusa", help="Medusa-1 heads (use them as --speculative-model medusa:OUT)")
+    medusa.add_argument("--model", required=True)
+    medusa.add_argument("--data", required=True, help="a `specdraft distill` output directory")
+    medusa.add_argument("--out", required=True)
+    medusa.add_argument("--steps", type=arg_int_in(1), default=1000)
+    medusa.add_argument("--heads", type=arg_int_in(1, 16), default=4, help="draft tokens the heads guess")
+    medusa.add_argument("--draft-vocab", type=arg_int_in(1), default=None,
+                        help="draft vocabulary size (the most frequent tokens of the data; default: all)")
+    medusa.add_argument("--batch-size", type=arg_int_in(1), default=8)
+    medusa.add_argument("--seq-len", type=arg_int_in(2), default=512)
+    medusa.add_argument("--lr", type=float, default=1e-3)
+    medusa.add_argument("--seed", type=int, default=0)
+    medusa.add_argument("--checkpoint-every", type=arg_int_in(1), default=100)
+    medusa.add_argument("--eval-every", type=arg_int_in(1), default=100)
+    medusa.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
+    medusa.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    medusa.set_defaults(func=cmd_train_medusa)
+
+
+# transformers' class for a model type, for configs converted from GGUF (which name no architecture).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def cmd_train_medusa(args: argparse.Namespace) -> int:
+    from specdraft.runtime.loader import load_model
+    from specdraft.train.data import read_manifest, train_val_split
+    from specdraft.train.medusa import MedusaTrainConfig, train_medusa
+
+    manifest = read_manifest(args.data)
+    config = MedusaTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                               heads=args.heads, draft_vocab=args.draft_vocab, seed=args.seed,
+                               checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
+    target = load_model(args.model, dtype=args.dtype)
+    info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
+    train, val = train_val_split(args.data)
+    _, history = train_medusa(target, train, val, args.out, config, resume=args.resume, target_info=info)
+    if history["val_agreement"]:
+        print("validation top-1 agreement per head: " + " ".join(f"{a:.3f}" for a in history["val_agreement"][-1]))
+    print(f"heads saved in {args.out}; use them with --speculative-model medusa:{args.out}")
+    return 0
+
+
+def add_export_command(sub) -> None:
+    export = sub.add_parser("export", help="write a trained drafter in a format GPU serving engines load")
+    kinds = export.add_subparsers(dest="kind", required=True)
+    eagle = kinds.add_parser("eagle", help="an EAGLE-3 head, for vLLM / SGLang (speculators format)")
+    eagle.add_argument("--model", required=True, help="the target the head drafts for (catalog name, HF "
+                       "directory or .gguf file); its Hub name goes into the config as the verifier")
+    eagle.add_argument("--head", required=True, help="the head directory (eagle:PATH also accepted)")
+    eagle.add_argument("--format", default="speculators", choices=["speculators", "eagle3"])
+    eagle.add_argument("--out", required=True)
+    eagle.add_argument("--num-speculative-tokens", type=arg_int_in(1, 64), default=3,
+                       help="draft tokens per round the config proposes to the serving engine")
+    eagle.set_defaults(func=cmd_export_eagle)
+
+
+def cmd_export_eagle(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from specdraft.drafters.eagle import EagleHead
+    from specdraft.errors import SpecdraftError
+    from specdraft.runtime.loader import CATALOG, load_model, resolve
+
+    head_dir = args.head.removeprefix("eagle:")
+    if Path(args.out).resolve() == Path(head_dir).resolve():
+        raise SpecdraftError("--out must differ from --head (the export would overwrite the head it reads)")
+    head = EagleHead.load(head_dir)
+    head.check_target(load_model(args.model, dtype="bf16", progress=False))
+    entry = CATALOG.get(args.model)
+    verifier = entry.hf_repo if entry is not None and entry.hf_repo else args.model
+    raw = json.loads((resolve(args.model, progress=False) / "config.json").read_text())
+    known = ARCHITECTURES.get(raw.get("model_type", ""))
+    architectures = raw.get("architectures") or ([known] if known else [])
+    out = head.save(args.out, format=args.format, verifier=verifier, verifier_architectures=architectures,
+                    speculative_tokens=args.num_speculative_tokens)
+    print(f"{out}: EAGLE-3 head in the {args.format} format, verifier {verifier}")
+    return 0
+
 
 def _identity(model: str) -> dict:
     from specdraft.runtime.loader import resolve
@@ -68,7 +148,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from specdraft.runtime.loader import load_model
-    from specdraft.train.data import load_split, read_manifest
+    from specdraft.train.data import read_manifest, train_val_split
     from specdraft.train.eagle import TrainConfig, train_eagle
 
     manifest = read_manifest(args.data)
@@ -77,8 +157,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
     target = load_model(args.model, dtype=args.dtype)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
-    result = train_eagle(target, load_split(args.data, "train"), load_split(args.data, "val"), args.out, config,
-                         resume=args.resume, target_info=info)
+    train, val = train_val_split(args.data)
+    result = train_eagle(target, train, val, args.out, config, resume=args.resume, target_info=info)
     val = result.history["val_agreement"]
     if val:
         print("validation top-1 agreement per draft step: " + " ".join(f"{a:.3f}" for a in val[-1]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,6 +62,19 @@ def load_split(data_dir: str | Path, split: str) -> list[list[int]]:
             seqs, _ = read_shard(Path(data_dir) / shard["file"])
             out.extend(seqs)
     return out
+
+
+def train_val_split(data_dir: str | Path, val_fraction: float = 0.05) -> tuple[list[list[int]], list[list[int]]]:
+    """The train and validation sequences of a distillation. One stopped before its validation prompts (the
+    last of the prompt file) holds out the last `val_fraction` of its training sequences instead, with a
+    warning: prompts are independent, so those are as unseen as the planned ones."""
+    train, val = load_split(data_dir, "train"), load_split(data_dir, "val")
+    if not val and len(train) >= 2:
+        held = max(1, round(len(train) * val_fraction))
+        warnings.warn(f"{data_dir} has no validation split (distillation unfinished): holding out its last "
+                      f"{held} training sequences", stacklevel=2)
+        train, val = train[:-held], train[-held:]
+    return train, val
 
 
 def file_sha256(path: str | Path, limit: int | None = None) -> str:

@@ -8,29 +8,24 @@ on the inputs it sees when drafting. Step s at row t predicts token t+2+s; its l
 against the target's distribution there restricted to the draft vocabulary (renormalised), at positions
 whose target argmax is in the draft vocabulary; step s weighs 0.8**s (EAGLE-3's weights).
 
-Deterministic and resumable: the head starts from a fixed seed, batch i is drawn by a generator seeded
-with (seed, i), and a checkpoint (head, AdamW state, step, history) is written every `checkpoint_every`
-steps, so an interrupted run resumed with `resume=True` ends with the same weights as an uninterrupted one.
-The output directory gets the head (`config.json` + `model.safetensors`, loadable as `eagle:DIR`),
-`history.json`, `loss.png` and `accuracy.png`.
+The head starts from a fixed seed; the loop (seeded batches, AdamW, checkpoints that resume bit for bit,
+validation, curves) is `train/loop.py`'s. The output directory gets the head (`config.json` +
+`model.safetensors`, loadable as `eagle:DIR`), `history.json`, `loss.png` and `accuracy.png`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.model import Transformer
+from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.train.loop import draft_vocabulary, train_loop
 
-CHECKPOINT = "checkpoint.pt"
 STEP_WEIGHT = 0.8
 
 
@@ -56,17 +51,6 @@ class TrainResult:
     head: EagleHead
     history: dict
     out_dir: Path
-
-
-def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent tokens of the data (ties: lower id first), padded with the lowest unseen ids
-    when the data has fewer distinct tokens; sorted target ids."""
-    counts = Counter(t for seq in sequences for t in seq)
-    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    if len(ranked) < size:
-        seen = set(ranked)
-        ranked += [t for t in range(vocab_size) if t not in seen][:size - len(ranked)]
-    return torch.tensor(sorted(ranked), dtype=torch.long)
 
 
 def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequence[int]]) -> EagleHead:
@@ -133,7 +117,11 @@ def batch_losses(head: EagleHead, batch: _Batch) -> tuple[torch.Tensor, list[flo
     """(weighted loss, per-step losses, per-step accuracies in the trained positions, per-step top-1 agreement
     with the target over all real positions)."""
     valid0 = batch.valid(0)
-    logits = head.unroll(batch.embeds, head.fuse(batch.aux), batch.steps, valid=valid0)
+    # bf16 matrix products with fp32 weights and fp32 losses (mixed precision) where the CPU multiplies bf16 in
+    # hardware (AVX512-BF16, AMX): the head's products run several times faster than in fp32 there.
+    mixed = batch.embeds.device.type == "cpu" and bf16_gemm_is_native()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        logits = head.unroll(batch.embeds, head.fuse(batch.aux), batch.steps, valid=valid0)
     total = torch.zeros(())
     losses, accs, agree = [], [], []
     for s, step_logits in enumerate(logits):
@@ -156,11 +144,6 @@ def batch_losses(head: EagleHead, batch: _Batch) -> tuple[torch.Tensor, list[flo
     return total, losses, accs, agree
 
 
-def _batch_indices(seed: int, step: int, num: int, size: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, num, (size,), generator=g).tolist()
-
-
 def evaluate(target: Transformer, head: EagleHead, sequences: Sequence[Sequence[int]], config: TrainConfig
              ) -> list[float]:
     """Top-1 agreement with the target per draft step over held-out sequences."""
@@ -180,125 +163,26 @@ def evaluate(target: Transformer, head: EagleHead, sequences: Sequence[Sequence[
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def _lr(config: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def train_eagle(target: Transformer, train_seqs: Sequence[Sequence[int]], val_seqs: Sequence[Sequence[int]],
                 out_dir: str | Path, config: TrainConfig | None = None, resume: bool = False,
                 stop_after: int | None = None, progress: bool = True, target_info: dict | None = None
                 ) -> TrainResult:
     """Train (or resume training) a head; `stop_after` ends this run after that many steps, checkpointed (an
-    interruption, for tests)."""
+    interruption, for tests). The finished head is saved in out_dir (loadable as `eagle:DIR`)."""
     config = config or TrainConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_seqs = [list(s[:config.seq_len]) for s in train_seqs if len(s) >= 2]
     if not train_seqs:
         raise SpecdraftError("no training sequences of at least 2 tokens")
-    ckpt_path = out_dir / CHECKPOINT
     head = new_head(target, config, train_seqs)
     head.eagle.target.update(target_info or {})
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    history: dict = {"step": [], "loss": [], "step_loss": [], "step_acc": [], "val_step": [], "val_agreement": []}
-    start = 0
-    if ckpt_path.exists():
-        if not resume:
-            raise SpecdraftError(f"{out_dir} holds a training checkpoint: pass --resume to continue it, or "
-                                 f"choose another --out")
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        saved = {k: v for k, v in ckpt["config"].items() if k not in ("steps", "checkpoint_every", "eval_every")}
-        now = {k: v for k, v in asdict(config).items() if k not in ("steps", "checkpoint_every", "eval_every")}
-        if saved != now:
-            raise SpecdraftError(f"the checkpoint in {out_dir} was trained with {saved}, not {now}")
-        head.load_state_dict(ckpt["head"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start, history = ckpt["step"], ckpt["history"]
-    end = config.steps if stop_after is None else min(config.steps, start + stop_after)
 
-    def checkpoint(step: int) -> None:
-        tmp = ckpt_path.with_name(CHECKPOINT + ".tmp")
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "history": history, "config": asdict(config)}, tmp)
-        tmp.replace(ckpt_path)
+    def step_losses(seqs: list[list[int]]) -> tuple[torch.Tensor, list[float], list[float]]:
+        loss, losses, accs, _ = batch_losses(head, _Batch(target, head, seqs, config.ttt_steps))
+        return loss, losses, accs
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, initial=start, desc="train eagle", unit="step", dynamic_ncols=True)
-    head.train()
-    for step in range(start, end):
-        seqs = [train_seqs[i] for i in _batch_indices(config.seed, step, len(train_seqs), config.batch_size)]
-        batch = _Batch(target, head, seqs, config.ttt_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(config, step)
-        loss, losses, accs, _ = batch_losses(head, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip:
-            torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
-        optimizer.step()
-        history["step"].append(step + 1)
-        history["loss"].append(float(loss.detach()))
-        history["step_loss"].append(losses)
-        history["step_acc"].append(accs)
-        done = step + 1
-        if val_seqs and (done % config.eval_every == 0 or done == config.steps):
-            history["val_step"].append(done)
-            history["val_agreement"].append(evaluate(target, head, val_seqs, config))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
-        if done % config.checkpoint_every == 0 or done == end:
-            checkpoint(done)
-    if bar is not None:
-        bar.close()
-    head.eval()
-    if end == config.steps:
-        head.save(out_dir)
-        (out_dir / "history.json").write_text(json.dumps(history) + "\n")
-        plot_history(history, out_dir)
+    history = train_loop(head, config, train_seqs, step_losses,
+                         (lambda: evaluate(target, head, val_seqs, config)) if val_seqs else None, out_dir,
+                         lambda: head.save(out_dir), resume, stop_after, progress, desc="train eagle")
     return TrainResult(head, history, out_dir)
-
-
-def plot_history(history: dict, out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = history["step"]
-    if not steps:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, history["loss"], label="weighted total", color="black")
-    for s in range(len(history["step_loss"][0])):
-        ax.plot(steps, [row[s] for row in history["step_loss"]], label=f"draft step {s + 1}", alpha=0.7)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("cross-entropy")
-    ax.set_title("EAGLE head training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss.png", dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s in range(len(history["step_acc"][0])):
-        ax.plot(steps, [row[s] for row in history["step_acc"]], label=f"train, draft step {s + 1}", alpha=0.6)
-    if history["val_step"]:
-        for s in range(len(history["val_agreement"][0])):
-            ax.plot(history["val_step"], [row[s] for row in history["val_agreement"]], marker="o",
-                    label=f"validation, draft step {s + 1}")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("top-1 agreement with the target")
-    ax.set_ylim(0, 1)
-    ax.set_title("EAGLE head accuracy")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "accuracy.png", dpi=100)
-    plt.close(fig)

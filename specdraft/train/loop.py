@@ -1,0 +1,170 @@
+"""The training loop every drafter head shares (`specdraft train eagle|medusa`): seeded batches, AdamW with
+warm-up and cosine decay, gradient clipping, checkpoints that resume bit for bit, validation, a progress bar,
+and the loss and accuracy curves as PNG.
+
+Deterministic and resumable: batch i is drawn by a generator seeded with (seed, i), and a checkpoint (head,
+optimizer state, step, history, the config) is written every `checkpoint_every` steps, so an interrupted run
+resumed with `resume=True` ends with the same weights as an uninterrupted one. A checkpoint made with other
+settings (anything but the step counts) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+CHECKPOINT = "checkpoint.pt"
+# Settings that may change between an interrupted run and its resumption.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "eval_every")
+
+# One step: (weighted loss with a graph, per-draft-step losses, per-draft-step accuracies) of a batch.
+StepLosses = Callable[[list[list[int]]], tuple[torch.Tensor, list[float], list[float]]]
+
+
+def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the data (ties: lower id first), padded with the lowest unseen ids
+    when the data has fewer distinct tokens; sorted target ids."""
+    counts = Counter(t for seq in sequences for t in seq)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    if len(ranked) < size:
+        seen = set(ranked)
+        ranked += [t for t in range(vocab_size) if t not in seen][:size - len(ranked)]
+    return torch.tensor(sorted(ranked), dtype=torch.long)
+
+
+def batch_indices(seed: int, step: int, num: int, size: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, num, (size,), generator=g).tolist()
+
+
+def learning_rate(config: Any, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_loop(head: torch.nn.Module, config: Any, train_seqs: list[list[int]], step_losses: StepLosses,
+               evaluate: Callable[[], list[float]] | None, out_dir: Path, save: Callable[[], None],
+               resume: bool = False, stop_after: int | None = None, progress: bool = True,
+               desc: str = "train") -> dict:
+    """Run (or resume) `config.steps` steps; returns the history. `config` is a dataclass with steps,
+    batch_size, lr, weight_decay, warmup, grad_clip, seed, checkpoint_every and eval_every; `save` writes the
+    finished head into out_dir. `stop_after` ends this run after that many steps, checkpointed (an
+    interruption, for tests)."""
+    ckpt_path = out_dir / CHECKPOINT
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    history: dict = {"step": [], "loss": [], "step_loss": [], "step_acc": [], "val_step": [], "val_agreement": []}
+    start = 0
+    if ckpt_path.exists():
+        if not resume:
+            raise SpecdraftError(f"{out_dir} holds a training checkpoint: pass --resume to continue it, or "
+                                 f"choose another --out")
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        saved = {k: v for k, v in ckpt["config"].items() if k not in RESUMABLE_CHANGES}
+        now = {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
+        if saved != now:
+            raise SpecdraftError(f"the checkpoint in {out_dir} was trained with {saved}, not {now}")
+        head.load_state_dict(ckpt["head"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start, history = ckpt["step"], ckpt["history"]
+    end = config.steps if stop_after is None else min(config.steps, start + stop_after)
+
+    def checkpoint(step: int) -> None:
+        tmp = ckpt_path.with_name(CHECKPOINT + ".tmp")
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "history": history, "config": asdict(config)}, tmp)
+        tmp.replace(ckpt_path)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=start, desc=desc, unit="step", dynamic_ncols=True)
+    head.train()
+    for step in range(start, end):
+        seqs = [train_seqs[i] for i in batch_indices(config.seed, step, len(train_seqs), config.batch_size)]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        loss, losses, accs = step_losses(seqs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        optimizer.step()
+        history["step"].append(step + 1)
+        history["loss"].append(float(loss.detach()))
+        history["step_loss"].append(losses)
+        history["step_acc"].append(accs)
+        done = step + 1
+        if evaluate is not None and (done % config.eval_every == 0 or done == config.steps):
+            head.eval()
+            history["val_step"].append(done)
+            history["val_agreement"].append(evaluate())
+            head.train()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
+        if done % config.checkpoint_every == 0 or done == end:
+            checkpoint(done)
+    if bar is not None:
+        bar.close()
+    head.eval()
+    if end == config.steps:
+        save()
+        (out_dir / "history.json").write_text(json.dumps(history) + "\n")
+        plot_history(history, out_dir, desc)
+    return history
+
+
+def plot_history(history: dict, out_dir: Path, title: str = "head") -> None:
+    """loss.png (weighted total and per draft step) and accuracy.png (training and validation top-1
+    agreement with the target per draft step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = history["step"]
+    if not steps:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, history["loss"], label="weighted total", color="black")
+    for s in range(len(history["step_loss"][0])):
+        ax.plot(steps, [row[s] for row in history["step_loss"]], label=f"draft step {s + 1}", alpha=0.7)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title(f"{title}: training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in range(len(history["step_acc"][0])):
+        ax.plot(steps, [row[s] for row in history["step_acc"]], label=f"train, draft step {s + 1}", alpha=0.6)
+    if history["val_step"]:
+        for s in range(len(history["val_agreement"][0])):
+            ax.plot(history["val_step"], [row[s] for row in history["val_agreement"]], marker="o",
+                    label=f"validation, draft step {s + 1}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("top-1 agreement with the target")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{title}: accuracy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "accuracy.png", dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["CHECKPOINT", "batch_indices", "draft_vocabulary", "learning_rate", "plot_history", "train_loop"]

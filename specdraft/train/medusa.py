@@ -1,0 +1,145 @@
+"""Training Medusa-1 heads on the target's own outputs (`specdraft train medusa`).
+
+Each step recomputes, with one cache-free target forward (no grad), the final-normed hidden states h_t of a
+batch of sequences (the target's own responses, from `specdraft distill`) and the target's distributions.
+Head k (1-based) at row t learns the target's distribution at row t + k (which predicts token t + k + 1,
+the token head k guesses from h_t), restricted to the draft vocabulary and renormalised, at positions whose
+target argmax is in it; head k weighs 0.8**(k-1). The loop (seeded batches, checkpoints that resume bit for
+bit, curves) is `train/loop.py`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.medusa import MedusaConfig, MedusaHeads
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.train.loop import draft_vocabulary, train_loop
+
+HEAD_WEIGHT = 0.8
+
+
+@dataclass
+class MedusaTrainConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 512  # sequences are cut to this many tokens
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 20
+    grad_clip: float = 0.5
+    heads: int = 4
+    draft_vocab: int | None = None  # None: the target's whole vocabulary
+    seed: int = 0
+    checkpoint_every: int = 100
+    eval_every: int = 100
+
+
+class _Batch:
+    """The heads' inputs and the target's answers for one batch, computed under no_grad."""
+
+    def __init__(self, target: Transformer, heads: MedusaHeads, seqs: Sequence[Sequence[int]]) -> None:
+        T = max(len(s) for s in seqs)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            tokens[b, :len(s)] = torch.tensor(s)
+        self.lengths = torch.tensor([len(s) for s in seqs])
+        with torch.no_grad():
+            out = target.forward_sequence(tokens.to(target.device))
+            self.hidden = out.hidden.float()
+            logits = out.logits.float()
+            self.target_argmax = logits.argmax(-1).cpu()
+            self.soft = torch.softmax(logits[..., heads.draft_to_target], dim=-1)
+            self.in_vocab = heads.t2d[self.target_argmax]
+        self.rows = T
+
+
+def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list[float], list[float], list[float]]:
+    """(weighted loss, per-head losses, per-head accuracies in the trained positions, per-head top-1 agreement
+    with the target over all real positions)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_gemm_is_native()):
+        logits = heads(batch.hidden)  # [B, T, K, V']
+    total = torch.zeros(())
+    losses, accs, agree = [], [], []
+    t = torch.arange(batch.rows)[None, :]
+    for k in range(1, heads.medusa.num_heads + 1):
+        rows = batch.rows - k
+        if rows <= 0:
+            losses.append(0.0)
+            accs.append(0.0)
+            agree.append(0.0)
+            continue
+        real = (t[:, :rows] + k) < batch.lengths[:, None]
+        mask = real & batch.in_vocab[:, k:]
+        log_probs = torch.log_softmax(logits[:, :rows, k - 1].float(), -1)
+        per_row = -(batch.soft[:, k:] * log_probs).sum(-1)
+        n = mask.sum().clamp(min=1)
+        loss = (per_row * mask).sum() / n
+        total = total + HEAD_WEIGHT ** (k - 1) * loss
+        hits = heads.draft_to_target[log_probs.argmax(-1)] == batch.target_argmax[:, k:]
+        losses.append(float(loss.detach()))
+        accs.append(float((hits & mask).sum() / n))
+        agree.append(float((hits & real).sum() / real.sum().clamp(min=1)))
+    return total, losses, accs, agree
+
+
+def new_heads(target: Transformer, config: MedusaTrainConfig, train_seqs: Sequence[Sequence[int]]) -> MedusaHeads:
+    vocab = target.config.vocab_size
+    size = min(config.draft_vocab or vocab, vocab)
+    heads = MedusaHeads(MedusaConfig(target.config.hidden_size, vocab, size, config.heads))
+    heads.set_draft_vocab(draft_vocabulary(train_seqs, size, vocab))
+    heads.init_from_target(target)
+    return heads.float().requires_grad_(True)
+
+
+def evaluate(target: Transformer, heads: MedusaHeads, sequences: Sequence[Sequence[int]],
+             config: MedusaTrainConfig) -> list[float]:
+    """Top-1 agreement with the target per head over held-out sequences."""
+    hits = [0.0] * config.heads
+    total = [0.0] * config.heads
+    with torch.no_grad():
+        for i in range(0, len(sequences), config.batch_size):
+            seqs = [list(s[:config.seq_len]) for s in sequences[i:i + config.batch_size] if len(s) >= 2]
+            if not seqs:
+                continue
+            batch = _Batch(target, heads, seqs)
+            _, _, _, agree = medusa_losses(heads, batch)
+            for k, a in enumerate(agree, start=1):
+                n = float(((torch.arange(batch.rows)[None, :] + k) < batch.lengths[:, None]).sum())
+                hits[k - 1] += a * n
+                total[k - 1] += n
+    return [h / t if t else 0.0 for h, t in zip(hits, total)]
+
+
+def train_medusa(target: Transformer, train_seqs: Sequence[Sequence[int]], val_seqs: Sequence[Sequence[int]],
+                 out_dir: str | Path, config: MedusaTrainConfig | None = None, resume: bool = False,
+                 stop_after: int | None = None, progress: bool = True, target_info: dict | None = None
+                 ) -> tuple[MedusaHeads, dict]:
+    """Train (or resume training) Medusa heads; returns them and the history. The finished heads are saved
+    in out_dir (loadable as `medusa:DIR`)."""
+    config = config or MedusaTrainConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_seqs = [list(s[:config.seq_len]) for s in train_seqs if len(s) >= 2]
+    if not train_seqs:
+        raise SpecdraftError("no training sequences of at least 2 tokens")
+    heads = new_heads(target, config, train_seqs)
+    heads.medusa.target.update(target_info or {})
+
+    def step_losses(seqs: list[list[int]]) -> tuple[torch.Tensor, list[float], list[float]]:
+        loss, losses, accs, _ = medusa_losses(heads, _Batch(target, heads, seqs))
+        return loss, losses, accs
+
+    history = train_loop(heads, config, train_seqs, step_losses,
+                         (lambda: evaluate(target, heads, val_seqs, config)) if val_seqs else None, out_dir,
+                         lambda: heads.save(out_dir, dtype=target.dtype), resume, stop_after, progress,
+                         desc="train medusa")
+    return heads, history
+
+
+__all__ = ["MedusaTrainConfig", "medusa_losses", "train_medusa"]
