@@ -70,8 +70,9 @@ def test_proposals_follow_the_heads(target):
     assert path == chain.tokens
 
 
-@pytest.mark.parametrize("tree,samples", [(0, NUM_SAMPLES), (3, NUM_SAMPLES // 4)])
-def test_sampled_distribution_matches_the_target(tree, samples):
+def test_sampled_distribution_matches_the_target():
+    """Trees of the heads' top choices (chains are the same deterministic proposals, one path)."""
+    tree, samples = 3, NUM_SAMPLES // 2
     target = tiny_model(seed=0, vocab=VOCAB, layers=1)
     drafter = MedusaDrafter(random_heads(target, heads=2, std=0.5), target)
     params = SamplingParams(temperature=1.0)
