@@ -11,7 +11,7 @@ from tiny_models import ToyTokenizer, tiny_model
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.engine.adaptive import AdaptiveConfig
+from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.verify.sampling import SamplingParams
@@ -206,3 +206,46 @@ def test_cache_free_forward_trains_with_autograd_and_matches_the_cached_forward(
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
     model.requires_grad_(False)
+
+
+def test_batch_depth_chooser_turns_drafts_off_where_the_batch_loses_by_them():
+    """Simulated rounds: two requests gain from drafting 4 deep, eight lose (their padded verification costs
+    more than the accepted tokens bring); each batch size settles on its own cap and re-measures the others
+    rarely."""
+    chooser = BatchDepthChooser(4, window=4, explore_every=8, max_wait=64)
+    assert chooser.arms == [0, 1, 2, 4] and chooser.choose(1) is None  # a lone request decides alone
+    assert [BatchDepthChooser.bucket(b) for b in (2, 3, 4, 5, 8, 9)] == [2, 4, 4, 8, 8, 16]
+
+    def round_of(batch: int, cap: int) -> tuple[float, float]:
+        tokens = batch * (1 + 0.6 * min(cap, 2))  # about 1.2 accepted per request at depth >= 2
+        seconds = 0.02 * (1 + 0.1 * batch * cap) if batch > 4 else 0.02 * (1 + 0.05 * cap)
+        return tokens, seconds
+
+    picks = {2: [], 8: []}
+    for _ in range(300):
+        for batch in picks:
+            cap = chooser.choose(batch)
+            picks[batch].append(cap)
+            chooser.update(batch, cap, *round_of(batch, cap))
+    # Both start plain and climb while a longer cap is faster: the small batch up to 4 (which loses to 2),
+    # the large one never past 1 (which loses to plain), so its 2 and 4 are never tried.
+    assert picks[2][:4] == [0, 1, 2, 4] and picks[8][:2] == [0, 1]
+    assert chooser.bandit(2).best() == 2 and chooser.bandit(8).best() == 0
+    assert set(picks[8]) == {0, 1} and picks[8][150:].count(0) > 0.9 * 150  # drafting off for the large batch
+    assert set(picks[2][150:]) == {1, 2, 4}  # only the best cap's neighbours are re-measured
+
+
+@needs_kernels
+def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
+    """With adaptation on, a batch's depth cap and each request's own controller change the drafts of every
+    round, never a greedy request's tokens."""
+    target = kernel_model("llama")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    prompts = kernel_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=30)] * 6
+    plain = Engine(target, tokenizer, None, 0, max_model_len=256)
+    expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
+    batched = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=6)
+    assert [r.token_ids for r in batched.generate_many(prompts, params)] == expected
+    tried = {arm for bandit in batched.batch_depths.bandits.values() for arm in bandit.tokens}
+    assert batched.batch_depths.bandits and 0 in tried and tried - {0}  # caps were measured, plain among them

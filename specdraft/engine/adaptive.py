@@ -38,21 +38,18 @@ class AdaptiveConfig:
 CALIBRATION_ROUNDS = 2
 
 
-class TreeShapeChooser:
-    """Chooses each round's draft shape, a chain or a tree of a few sizes up to `max_nodes`, by measurement.
+class RateBandit:
+    """Chooses among a few arms by measured tokens per second.
 
-    Whether a tree pays depends on the text (how often the drafter's second guesses are right) and on the
-    machine (what verifying more tokens costs), neither known in advance, so every shape is an arm whose
-    tokens per round and seconds per round (drafting and verification) are averaged as it runs; the round
-    goes to the arm with the most tokens per second. A losing arm is re-measured now and then, after a wait
-    that doubles each time it loses again (from `explore_every` up to `max_wait` rounds), since on a machine
-    where wide verification is expensive every exploration of a big tree costs several plain steps. Arm 0 is
-    the chain: it stays the choice where trees do not pay. Each arm is tried once first, largest first.
+    Every arm's tokens per round and seconds per round (drafting and verification) are averaged as it runs;
+    the round goes to the arm with the most tokens per second. A losing arm is re-measured now and then,
+    after a wait that doubles each time it loses again (from `explore_every` up to `max_wait` rounds), since
+    on a machine where wide verification is expensive every exploration of a big draft costs several plain
+    steps. Each arm is tried once first, in the order given (largest first).
     """
 
-    def __init__(self, max_nodes: int, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
-        sizes = {0} if max_nodes < 2 else {0, max(2, max_nodes // 4), max(2, max_nodes // 2), max_nodes}
-        self.arms = sorted(sizes, reverse=True)
+    def __init__(self, arms: list[int], window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
+        self.arms = list(arms)
         self.smoothing = 1.0 / window
         self.explore_every, self.max_wait = explore_every, max_wait
         self.tokens: dict[int, float] = {}
@@ -61,11 +58,11 @@ class TreeShapeChooser:
         self.due = dict.fromkeys(self.arms, 0)  # round from which an arm may be re-measured
         self.rounds = 0
 
-    def fork(self) -> TreeShapeChooser:
-        """A chooser for a new request that starts from these estimates (the machine's verification cost is
+    def fork(self) -> RateBandit:
+        """A chooser (for a new request) that starts from these estimates (the machine's verification cost is
         the same for every request, and recent text is the best guess for the next), so a request does not
-        pay again for measuring every shape; each shape keeps its current wait before re-measurement."""
-        child = TreeShapeChooser.__new__(TreeShapeChooser)
+        pay again for measuring every arm; each arm keeps its current wait before re-measurement."""
+        child = self.__class__.__new__(self.__class__)
         child.__dict__.update(self.__dict__)
         child.tokens, child.seconds, child.wait = dict(self.tokens), dict(self.seconds), dict(self.wait)
         child.rounds = 0
@@ -82,7 +79,7 @@ class TreeShapeChooser:
         return max(self.arms, key=lambda arm: self.rate(arm) or 0.0)
 
     def choose(self) -> int:
-        """Nodes for the next round's draft (0: a chain)."""
+        """The arm for the next round."""
         untried = [arm for arm in self.arms if arm not in self.tokens]
         if untried:
             return untried[0]
@@ -91,7 +88,7 @@ class TreeShapeChooser:
         return min(overdue, key=self.due.__getitem__) if overdue else best
 
     def update(self, arm: int, tokens: int, seconds: float) -> None:
-        """One speculative round of shape `arm`: the tokens it produced and what drafting + verifying cost."""
+        """One round with `arm`: the tokens it produced and what drafting + verifying cost."""
         self.rounds += 1
         explored = arm in self.tokens and arm != self.best()
         # A re-measurement replaces the arm's stale estimate (the text may have changed since); the arm in use
@@ -103,6 +100,79 @@ class TreeShapeChooser:
             lost = self.best() != arm
             self.wait[arm] = min(2 * self.wait[arm], self.max_wait) if lost else self.explore_every
         self.due[arm] = self.rounds + self.wait[arm]
+
+
+class TreeShapeChooser(RateBandit):
+    """Chooses each round's draft shape, a chain or a tree of a few sizes up to `max_nodes`, by measurement.
+
+    Whether a tree pays depends on the text (how often the drafter's second guesses are right) and on the
+    machine (what verifying more tokens costs), neither known in advance, so every shape is an arm of a
+    `RateBandit`. Arm 0 is the chain: it stays the choice where trees do not pay.
+    """
+
+    def __init__(self, max_nodes: int, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
+        sizes = {0} if max_nodes < 2 else {0, max(2, max_nodes // 4), max(2, max_nodes // 2), max_nodes}
+        super().__init__(sorted(sizes, reverse=True), window, explore_every, max_wait)
+
+
+class LadderBandit(RateBandit):
+    """A `RateBandit` over ordered arms (cheapest first) that only ever measures the best arm's neighbours:
+    it climbs one arm at a time while the higher arm measures faster, and re-measures just the arms on either
+    side of the best one. Where every arm is one more draft token for a whole batch, a losing large arm can
+    cost several plain rounds to try, and one that loses to its smaller neighbour is not worth trying."""
+
+    def choose(self) -> int:
+        if not self.tokens:
+            return self.arms[0]
+        best = self.best()
+        i = self.arms.index(best)
+        for j in (i + 1, i - 1):
+            if 0 <= j < len(self.arms):
+                arm = self.arms[j]
+                if arm not in self.tokens:
+                    if j == i + 1:
+                        return arm
+                elif self.due[arm] <= self.rounds:
+                    return arm
+        return best
+
+
+class BatchDepthChooser:
+    """Caps the draft depth of a whole batched round, by measured tokens per second of the batch.
+
+    A batched verification is padded to its longest draft, so on a machine whose forward cost grows with the
+    rows it computes (CPUs, and GPUs under large batches) every request's draft costs all the others: each
+    request's own controller sees its acceptance but not what its rows cost the batch. Per batch size (in
+    buckets 2, 3-4, 5-8, ...) the caps 0 (no drafting: a plain round), 1, K_max / 2 and K_max are the rungs of
+    a `LadderBandit` measured in tokens the whole batch produced per second; the round's drafts are cut to
+    the chosen cap. Each batch size starts plain and climbs while a longer cap measures faster. So drafts
+    shorten, and switch off, as the batch grows and wide verification stops paying, by measurement rather
+    than a fixed threshold, and come back when it pays again. A lone request (batch 1) is left to its own
+    controller.
+    """
+
+    def __init__(self, max_k: int, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
+        self.arms = sorted({max_k, max(1, max_k // 2), 1, 0})
+        self.window, self.explore_every, self.max_wait = window, explore_every, max_wait
+        self.bandits: dict[int, LadderBandit] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """The batch-size bucket: the smallest power of two at least `batch`."""
+        return 1 << max(0, batch - 1).bit_length()
+
+    def bandit(self, batch: int) -> LadderBandit:
+        key = self.bucket(batch)
+        if key not in self.bandits:
+            self.bandits[key] = LadderBandit(self.arms, self.window, self.explore_every, self.max_wait)
+        return self.bandits[key]
+
+    def choose(self, batch: int) -> int | None:
+        """The round's depth cap (0: plain), or None for a lone request."""
+        return None if batch < 2 else self.bandit(batch).choose()
+
+    def update(self, batch: int, cap: int, tokens: int, seconds: float) -> None:
+        self.bandit(batch).update(cap, tokens, seconds)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

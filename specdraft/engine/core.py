@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
-from specdraft.engine.adaptive import AdaptiveConfig, DraftLengthController, TreeShapeChooser
+from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser, DraftLengthController, TreeShapeChooser
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
 from specdraft.errors import ContextOverflowError, SpecdraftError
@@ -138,6 +138,9 @@ class Engine:
         # Every request's chain/tree measurements also feed this one, from which new requests start.
         self.shapes = TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled \
             else None
+        # Batched rounds: the depth cap that gives the whole batch the most tokens per second.
+        self.batch_depths = BatchDepthChooser(num_speculative_tokens, self.adaptive.window) \
+            if self.drafter is not None and self.adaptive.enabled else None
         # Room past any request's own limit for the padding of a batched verification block.
         self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
         self._free_slots = list(range(max_batch - 1, -1, -1))
@@ -292,7 +295,8 @@ class Engine:
     def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
         t0 = time.perf_counter()
-        budgets = [self._draft_budget(r) for r in requests]
+        cap = self.batch_depths.choose(len(requests)) if self.batch_depths is not None else None
+        budgets = [self._draft_budget(r, cap) for r in requests]
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         proposals = [Proposal([]) for _ in requests]
         if drafting:
@@ -316,6 +320,8 @@ class Engine:
                                          [p.parents for p in proposals])
         verify_time = time.perf_counter() - t1
 
+        if cap is not None and (cap == 0 or drafting):  # rounds that drafted under a cap, or plain by it
+            self.batch_depths.update(len(requests), cap, sum(len(e) for e in emitted), draft_time + verify_time)
         chunks = {}
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
             start, path = starts[b], accepted[b]
@@ -335,14 +341,14 @@ class Engine:
                 r.metrics.draft_time += time.perf_counter() - t
         return chunks
 
-    def _draft_budget(self, r: Request) -> tuple[int, int, int | None]:
+    def _draft_budget(self, r: Request, cap: int | None = None) -> tuple[int, int, int | None]:
         """(depth, nodes, shape) of the request's next draft: depth 0 is a plain round; shape is the
-        `TreeShapeChooser` arm taken (None without one)."""
+        `TreeShapeChooser` arm taken (None without one); `cap` bounds the depth (the batch's choice)."""
         if self.drafter is None:
             return 0, 0, None
         remaining = r.params.max_tokens - len(r.out.token_ids)
         room = self.max_model_len - self.cache.length(r.slot) - 1
-        depth = max(0, min(r.controller.next_k(), remaining - 1, room))
+        depth = max(0, min(r.controller.next_k(), remaining - 1, room, cap if cap is not None else room))
         if depth == 0:
             return 0, 0, None
         shape = r.shapes.choose() if r.shapes is not None else None
