@@ -797,3 +797,33 @@ def test_bench_runtime_takes_the_verify_curve_flags():
     args = parser.parse_args(["bench-runtime", "--verify-curve", "--model", "a,b", "--prefix", "64"])
     assert args.verify_curve and args.model == "a,b" and args.prefix == 64
     assert not parser.parse_args(["bench-runtime"]).verify_curve
+
+
+def test_draft_cost_times_rounds_after_the_first_and_reports_ratios():
+    """bench-draft: every round but each request's first is timed, and the table holds one row per drafter
+    with its draft step, verification cost and acceptance (ngram on a tiny model)."""
+    from tiny_models import ToyTokenizer, tiny_model
+
+    from specdraft.bench.draft_cost import TimedDrafter, measure_draft_cost, render_table
+    from specdraft.drafters.ngram import NgramDrafter
+
+    target = tiny_model(seed=0, vocab=16)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4]]
+    measured = measure_draft_cost(target, ToyTokenizer(16), prompts, {"ngram": NgramDrafter()}, k=3,
+                                  max_tokens=12, repeats=1)
+    row = measured["drafters"]["ngram"]
+    assert measured["plain_step_ms"] > 0 and row["verify_ms"] > 0 and row["draft_step_ms"] >= 0
+    assert 1.0 <= row["mean_accepted_length"] <= 4.0 and 0.0 <= row["acceptance_rate"] <= 1.0
+    assert row["step_ratio"] == pytest.approx(row["draft_step_ms"] / measured["plain_step_ms"])
+    table = render_table({"config": {"k": 3}, **measured})
+    assert "| ngram |" in table and "drafts of K = 3" in table
+
+    timed = TimedDrafter(NgramDrafter())
+    from specdraft.engine.adaptive import AdaptiveConfig
+    from specdraft.engine.core import Engine
+    from specdraft.verify.sampling import SamplingParams
+
+    engine = Engine(target, ToyTokenizer(16), timed, 2, AdaptiveConfig(enabled=False))
+    result = engine.generate(prompts[0], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    # Each request's first round is left out, and its last is never observed (the request ended).
+    assert len(timed.rounds) == result.metrics.target_forwards - 2

@@ -1,5 +1,5 @@
-"""Registers the benchmark subcommands on the main CLI: `bench`, `bench-runtime`, `bench-fallback` and
-`bench-serve`."""
+"""Registers the benchmark subcommands on the main CLI: `bench`, `bench-runtime`, `bench-fallback`,
+`bench-draft` and `bench-serve`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ COMMANDS = {
         "cost of an always-wrong drafter with automatic fallback, vs plain decoding",
         "Plain decoding vs a drafter whose tokens are always rejected, with and without adaptive fallback, "
         "interleaved on the same prompts; writes fallback.json."),
+    "bench-draft": (
+        "draft_cost", "run_draft_cost", "what one draft step of each drafter costs against one target step",
+        "Decodes the same prompts plainly and with each drafter at a fixed draft length, interleaved, and "
+        "reports the median drafting time per draft token against the median plain step; writes "
+        "draft_cost.json."),
     "bench-serve": (
         "serve_bench", "run_serve_bench",
         "the OpenAI server under concurrent streaming clients, speculation off and on",
