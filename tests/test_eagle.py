@@ -198,7 +198,12 @@ def test_incremental_features_match_a_fresh_start(target, tree, adaptive):
     drafter = CheckedEagleDrafter(random_head(target), target, max_len=256, max_batch=3)
     spec = engine(target, drafter, k=3, tree=tree, max_batch=3, adaptive=adaptive)
     CheckedEagleDrafter.checked = 0
-    spec.generate_many(PROMPTS, [SamplingParams(temperature=0, max_tokens=40)] * 3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    if adaptive.enabled:  # one at a time: a batch of three would switch this random head's drafts off
+        for prompt in PROMPTS:
+            spec.generate(prompt, params)
+    else:
+        spec.generate_many(PROMPTS, [params] * 3)
     assert CheckedEagleDrafter.checked > 10 and spec.totals.accepted > 0
 
 
@@ -281,32 +286,34 @@ def test_interrupted_and_resumed_training_ends_with_the_same_weights(target, dat
 # ---------------------------------------------------------------------------------------------- distill
 
 
-def test_distill_writes_shards_and_resumes(target, tmp_path):
+def test_distill_writes_shards_and_resumes(target, tmp_path, monkeypatch):
     prompts = ["abc", "defg", "hij", "k", "lmno", "pab"]
-    eng = engine(target, max_batch=4)
     config = DistillConfig(max_tokens=8, shard_size=2, max_batch=4)
     identity = {"model": "tiny", "prompts_sha256": "x"}
-    calls = []
-    original = eng.generate_many
+    steps = []
+    original = Engine.step
 
-    def interrupted(prompts, params):
-        if len(calls) == 2:
+    def interrupted(self, requests):
+        if len(steps) == 12:
             raise KeyboardInterrupt
-        calls.append(len(prompts))
-        return original(prompts, params)
+        steps.append([r.prompt_ids for r in requests])
+        return original(self, requests)
 
-    eng.generate_many = interrupted
+    monkeypatch.setattr(Engine, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        distill(eng, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
+        distill(target, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert not manifest["complete"] and len(manifest["shards"]) == 2
+    assert not manifest["complete"] and len(manifest["shards"]) == 2  # 4 slots: the first two shards ran first
     # Stopped before its validation prompts: training holds out the last training sequences instead.
     with pytest.warns(UserWarning, match="holding out its last 1"):
         early_train, early_val = train_val_split(tmp_path)
     assert len(early_train) == 3 and len(early_val) == 1
-    eng.generate_many = lambda p, s: calls.append(len(p)) or original(p, s)
-    manifest = distill(eng, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
-    assert calls == [2, 2, 1, 1]  # train shards of 2, 2 and 1 prompts, then the held-out one; none twice
+    steps.clear()
+    monkeypatch.setattr(Engine, "step", lambda self, requests: steps.append([r.prompt_ids for r in requests])
+                        or original(self, requests))
+    manifest = distill(target, ToyTokenizer(VOCAB), prompts, tmp_path, config, identity, progress=False)
+    admitted = {tuple(p) for batch in steps for p in batch}
+    assert admitted == {tuple(ord(c) - 97 for c in p) for p in prompts[4:]}  # finished shards do not run again
     assert manifest["complete"] and manifest["train_sequences"] == 5 and manifest["val_sequences"] == 1
     train = load_split(tmp_path, "train")
     val = load_split(tmp_path, "val")
@@ -319,8 +326,54 @@ def test_distill_writes_shards_and_resumes(target, tmp_path):
     seqs, prompt_lens = read_shard(tmp_path / "train-00000.safetensors")
     assert prompt_lens == [3, 4] and seqs == train[:2]
     with pytest.raises(SpecdraftError, match="other settings"):
-        distill(eng, ToyTokenizer(VOCAB), prompts, tmp_path, DistillConfig(max_tokens=9, shard_size=2), identity,
+        distill(target, ToyTokenizer(VOCAB), prompts, tmp_path, DistillConfig(max_tokens=9, shard_size=2), identity,
                 progress=False)
+
+
+def test_distill_records_the_targets_own_features(target, tmp_path):
+    """The features kept while generating are the target's features of the finished sequence, position by
+    position (checked against one cache-free forward over it), for the prompt and every decoded token."""
+    prompts = ["abcdefg", "hi", "jklmn", "opo", "a"]  # the first is over max_prompt_tokens
+    layers = [0, 2, -1]
+    config = DistillConfig(max_tokens=10, shard_size=2, max_batch=3, hidden_layers=layers, val_fraction=0.2,
+                           max_prompt_tokens=5)
+    manifest = distill(target, ToyTokenizer(VOCAB), prompts, tmp_path, config, {"model": "tiny"}, progress=False)
+    assert manifest["skipped_prompts"] == 1 and manifest["settings"]["hidden_layers"] == [-1, 0, 2]
+    train, val = train_val_split(tmp_path, layers=[-1, 0, 2])
+    assert len(train) == 3 and len(val) == 1
+    for seq, feats in train + val:
+        assert {layer: f.shape for layer, f in feats.items()} == {layer: (len(seq) - 2, 32) for layer in layers}
+        out = target.forward_sequence(torch.tensor([seq]), capture_layers=[0, 2])
+        expect = {0: out.captured[0, 0], 2: out.captured[1, 0], -1: out.hidden[0]}
+        for layer in layers:
+            torch.testing.assert_close(feats[layer].float(), expect[layer][:len(seq) - 2].float(), atol=0.03,
+                                       rtol=0.02)
+    with pytest.raises(SpecdraftError, match="no recorded target features"):
+        train_val_split(tmp_path, layers=[1])
+
+
+def test_training_on_recorded_features_matches_recomputing_them(target, tmp_path):
+    """One batch from recorded features gives the head the inputs and soft labels a target forward gives."""
+    from specdraft.train.eagle import _Batch
+    from specdraft.train.features import draft_readout
+
+    prompts = ["bcde", "fg", "hij"]
+    layers = sorted({*random_head(target).eagle.hidden_layers, -1})
+    config = DistillConfig(max_tokens=12, shard_size=4, max_batch=3, hidden_layers=layers, val_fraction=0)
+    distill(target, ToyTokenizer(VOCAB), prompts, tmp_path, config, {"model": "tiny"}, progress=False)
+    items, _ = train_val_split(tmp_path, layers=layers)
+    head = random_head(target)
+    readout = draft_readout(target, head.draft_to_target)
+    recorded = _Batch(target, head, items, 2, readout)
+    recomputed = _Batch(target, head, [seq for seq, _ in items], 2, readout)
+    assert recorded.lengths.tolist() == [len(seq) - 2 for seq, _ in items]
+    rows = recorded.rows
+    for b, n in enumerate(recorded.lengths.tolist()):
+        torch.testing.assert_close(recorded.aux[b, :n - 1], recomputed.aux[b, :n - 1], atol=0.03, rtol=0.02)
+        torch.testing.assert_close(recorded.embeds[b, :n], recomputed.embeds[b, :n])
+        assert float((recorded.soft[b, :n] - recomputed.soft[b, :n]).abs().max()) < 0.02
+    for s in range(2):  # a recorded step trains only where its label is known
+        assert (recorded.valid(s) <= recomputed.valid(s)[:, :rows]).all()
 
 
 def test_cli_registers_train_and_distill(capsys):

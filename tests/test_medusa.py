@@ -135,3 +135,33 @@ def test_interrupted_and_resumed_training_ends_with_the_same_weights(target, dat
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     assert history == whole_history
+
+
+def test_shipped_heads_are_found_by_the_targets_signature(target, tmp_path, monkeypatch):
+    """`medusa` / `eagle` without a path take the head shipped for the loaded target (matched by its
+    architecture, not its path); `auto` takes the one marked default, and `ngram` where none ships."""
+    import json
+
+    from specdraft.drafters import shipped
+    from specdraft.drafters.ngram import NgramDrafter
+    from specdraft.drafters.shipped import target_signature
+
+    monkeypatch.setattr(shipped, "HEADS_DIR", tmp_path)
+    assert isinstance(make_drafter("auto", target, ToyTokenizer(VOCAB)), NgramDrafter)
+    with pytest.raises(SpecdraftError, match="no medusa head ships"):
+        make_drafter("medusa", target, ToyTokenizer(VOCAB))
+    heads = random_heads(target, heads=2)
+    heads.medusa.target["signature"] = target_signature(target)
+    heads.save(tmp_path / "tiny" / "medusa")
+    other = random_heads(target, heads=2)
+    other.medusa.target["signature"] = {**target_signature(target), "num_layers": 99}
+    other.save(tmp_path / "other" / "medusa")
+    drafter = make_drafter("medusa", target, ToyTokenizer(VOCAB))
+    assert drafter.name == "medusa" and drafter.heads.medusa.num_heads == 2
+    assert shipped.shipped_head("medusa", target) == tmp_path / "tiny" / "medusa"
+    assert isinstance(make_drafter("auto", target, ToyTokenizer(VOCAB)), NgramDrafter)  # none marked default
+    config = tmp_path / "tiny" / "medusa" / "config.json"
+    raw = json.loads(config.read_text())
+    raw["specdraft"]["default"] = True
+    config.write_text(json.dumps(raw))
+    assert make_drafter("auto", target, ToyTokenizer(VOCAB)).name == "medusa"

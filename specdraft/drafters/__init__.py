@@ -9,14 +9,15 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
-DRAFTER_HELP = ("ngram | quant:int4 | quant:int8 | self:N | eagle:HEAD_DIR | medusa:HEADS_DIR | draft:MODEL_REF "
-                "| MODEL_REF")
+DRAFTER_HELP = ("auto | ngram | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
+                "draft:MODEL_REF | MODEL_REF (eagle / medusa alone: the head shipped for the target; auto: the "
+                "shipped head that measured fastest, else ngram)")
 
 
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
                  options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
-    """Build a drafter from its spec string (`ngram`, `quant:int4`, `self:8`, `draft:REF` or a model ref) for
-    up to `max_batch` concurrent requests.
+    """Build a drafter from its spec string (`auto`, `ngram`, `quant:int4`, `self:8`, `eagle[:DIR]`,
+    `medusa[:DIR]`, `draft:REF` or a model ref) for up to `max_batch` concurrent requests.
 
     options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; model drafters:
     min_confidence; quant: group_size). Unknown options are an error.
@@ -24,6 +25,10 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     options = dict(options or {})
     if not isinstance(spec, str) or not spec.strip():
         raise SpecdraftError(f"empty drafter spec; expected one of: {DRAFTER_HELP}")
+    if spec == "auto":
+        from specdraft.drafters.shipped import default_drafter
+
+        spec = default_drafter(target)
     kind, _, arg = spec.partition(":")
 
     def take(allowed: set[str]) -> dict[str, Any]:
@@ -58,18 +63,17 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
                                  **take({"min_confidence"}))
     if kind == "eagle":
         from specdraft.drafters.eagle import make_eagle_drafter
+        from specdraft.drafters.shipped import require_shipped_head
 
-        if not arg:
-            raise SpecdraftError("the eagle drafter takes a head directory: eagle:PATH")
         take(set())
-        return make_eagle_drafter(arg, target, max_len=max_len, max_batch=max_batch)
+        path = arg or str(require_shipped_head("eagle", target))
+        return make_eagle_drafter(path, target, max_len=max_len, max_batch=max_batch, name=spec)
     if kind == "medusa":
         from specdraft.drafters.medusa import make_medusa_drafter
+        from specdraft.drafters.shipped import require_shipped_head
 
-        if not arg:
-            raise SpecdraftError("the medusa drafter takes a heads directory: medusa:PATH")
         take(set())
-        return make_medusa_drafter(arg, target)
+        return make_medusa_drafter(arg or str(require_shipped_head("medusa", target)), target, name=spec)
     ref = arg if kind == "draft" else spec
     from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
     from specdraft.runtime.loader import load_model, load_tokenizer

@@ -211,6 +211,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.set_draft_vocab(torch.arange(min(config.draft_vocab_size, config.vocab_size)))
 
     # ------------------------------------------------------------------------------------------ weights
@@ -245,6 +246,7 @@ class EagleHead(nn.Module):
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
                                       self.config.rope_scaling).to(self.lm_head.weight.device)
+        self._rope_table = None
         return self
 
     @property
@@ -361,6 +363,7 @@ class EagleHead(nn.Module):
         return self.fc(aux)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [B, T, 1, head_dim] of the positions, in the head's dtype."""
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         sin = emb.sin()
@@ -368,23 +371,40 @@ class EagleHead(nn.Module):
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return emb.cos().to(self.dtype), signed_sin.to(self.dtype)
 
+    def _rope_cached(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rope` from tables computed once per head (drafting asks for a few positions per step)."""
+        if self._rope_table is None or self._rope_table[0].dtype != self.dtype:
+            span = torch.arange(self.eagle.max_position_embeddings, device=self.inv_freq.device)[None, :]
+            cos, sin = self._rope(span)
+            self._rope_table = (cos[0], sin[0])
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
     def _inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
 
-    def _finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft logits, the layer's output before the final norm) from the attention output."""
+    def _finish(self, attn_out: torch.Tensor, hidden: torch.Tensor, logit_rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(draft logits, the layer's output before the final norm) from the attention output. logit_rows [B]:
+        the logits of only that row of each batch entry ([B, draft_vocab]); -1 for none at all (None)."""
         residual = hidden + attn_out
         out = residual + self.mlp(self.post_attention_layernorm(residual))
-        return self.lm_head(self.norm(out)), out
+        if logit_rows is None:
+            return self.lm_head(self.norm(out)), out
+        if bool((logit_rows < 0).all()):
+            return None, out
+        picked = out[torch.arange(out.shape[0], device=out.device), logit_rows.clamp(min=0)]
+        return self.lm_head(self.norm(picked)), out
 
     @torch.inference_mode()
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache, slots: Sequence[int],
              positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-             branch_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             branch_mask: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Score T new head positions [B, T] behind each slot's committed length (nothing is committed), as
         the runtime's `Transformer.forward` does for tokens: embeds [B, T, dim] (the target's embeddings of
         token t+1), hidden [B, T, dim] (fused target features or the head's own outputs). Returns draft
-        logits [B, T, draft_vocab] and output hidden states [B, T, dim]."""
+        logits [B, T, draft_vocab] (with `logit_rows`: see `_finish`) and output hidden states [B, T, dim]."""
         B, T, _ = embeds.shape
         slots = list(slots)
         cache.check_room(slots, T)
@@ -393,13 +413,45 @@ class EagleHead(nn.Module):
         if positions is None:
             positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
-        mask = attention_masks(self.config, starts, positions, tree_mask, key_len, branch_mask)["full"]
+        if tree_mask is None and branch_mask is None:  # a chain: each row sees the keys up to its own
+            limit = torch.tensor(starts, device=device)[:, None] + torch.arange(1, T + 1, device=device)
+            visible = torch.arange(key_len, device=device) < limit[..., None]        # [B, T, key_len]
+            mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, :, None]
+        else:
+            mask = attention_masks(self.config, starts, positions, tree_mask, key_len, branch_mask)["full"]
         rows = torch.tensor(slots, device=device)[:, None]
         index = (rows, torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device))
         hidden = hidden.to(self.dtype)
-        attn_out = self.attn(self._inputs(embeds.to(self.dtype), hidden), self._rope(positions), cache.k[0],
-                             cache.v[0], tuple(slots), index, mask)
-        return self._finish(attn_out, hidden)
+        attn_out = self._attend(self._inputs(embeds.to(self.dtype), hidden), self._rope_cached(positions), cache,
+                                tuple(slots), index, mask)
+        return self._finish(attn_out, hidden, logit_rows)
+
+    def _attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """The layer's attention over its cache, with the products in fp32 (the cache's dtype): the runtime's
+        attention multiplies in the model's dtype, and torch's bf16 products on CPUs without native bf16 cost
+        about 10 ms each whatever their size, several times a whole draft step. Projections stay in the head's
+        dtype (the fused kernels' bf16 linears). Drafts need no bit-exactness, only the same math."""
+        attn = self.attn
+        B, T, _ = x.shape
+        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv = attn.wqkv(x).view(B, T, H + 2 * Hkv, D)
+        qk = apply_rope(qkv[:, :, :H + Hkv], *rope)
+        cache.k[0].transpose(1, 2)[index] = qk[:, :, H:].to(cache.k[0].dtype)
+        cache.v[0].transpose(1, 2)[index] = qkv[:, :, H + Hkv:].to(cache.v[0].dtype)
+        key_len = mask.shape[-1]
+        first = slots[0]
+        if list(slots) == list(range(first, first + B)):  # contiguous slots: views, no copy
+            keys, values = cache.k[0][first:first + B, :, :key_len], cache.v[0][first:first + B, :, :key_len]
+        else:
+            keys, values = cache.k[0][list(slots), :, :key_len], cache.v[0][list(slots), :, :key_len]
+        keys, values = keys.float(), values.float()
+        G = H // Hkv
+        q = qk[:, :, :H].float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+        scores = (q @ keys.transpose(-1, -2)).view(B, Hkv, T, G, key_len) * self.config.attn_scale + mask
+        probs = torch.softmax(scores, dim=-1).view(B, Hkv, T * G, key_len)
+        out = (probs @ values).view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
+        return attn.wo(out.to(x.dtype))
 
     def unroll(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int,
                valid: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -489,7 +541,7 @@ class EagleDrafter:
         # Room behind the context for a chain or a tree (TREE_BEAM nodes per level but the last).
         cfg = head.config
         room = TREE_BEAM * MAX_DRAFT_DEPTH + 1
-        self.cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, max_len + room, max_batch, target.dtype,
+        self.cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, max_len + room, max_batch, torch.float32,
                              target.device)
         self.max_len = max_len
         self._free_slots = list(range(max_batch - 1, -1, -1))
@@ -507,6 +559,11 @@ class EagleDrafter:
         state = _EagleState(self._free_slots.pop(), request.params, request.generator, [aux], aux.shape[0])
         self.cache.reset(state.slot)
         self._states[request.request_id] = state
+        # The prompt's positions but the last go into the head now (their tokens are all in the prompt): a
+        # per-request cost like the target's prefill, kept out of the first round's drafting time, which the
+        # engine's controller reads as the cost of drafting.
+        if len(request.prompt_ids) >= 2:
+            self._feed([state], [list(request.prompt_ids[1:])], with_logits=False)
 
     def remove_request(self, request_id: int) -> None:
         state = self._states.pop(request_id, None)
@@ -529,31 +586,36 @@ class EagleDrafter:
 
     def _catch_up(self, states: list[_EagleState], contexts: Sequence[Sequence[int]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed every request's unseen target-feature positions (right-padded into one forward: a pad's keys
-        land past its row's committed length and stay masked) and commit them. Returns, per request, the
+        """Feed every request's unseen target-feature positions and commit them. Returns, per request, the
         draft logits [B, draft_vocab] and output hidden state [B, dim] of its last position (n-2), which
         predict c_n."""
+        feeds = [[int(t) for t in context[self.cache.length(state.slot) + 1:state.known + 1]]
+                 for state, context in zip(states, contexts)]
+        return self._feed(states, feeds)
+
+    def _feed(self, states: list[_EagleState], feeds: list[list[int]], with_logits: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One head forward over each request's next positions (feeds[b]: the tokens t+1 paired with its
+        oldest pending features, right-padded: a pad's keys land past its row's committed length and stay
+        masked); commits them and drops the features used. Returns the last fed position's draft logits
+        (None without `with_logits`) and output hidden state."""
         head = self.head
-        feeds, feats = [], []
-        for state, context in zip(states, contexts):
-            start = self.cache.length(state.slot)
-            feeds.append([int(t) for t in context[start + 1:state.known + 1]])
-            feats.append(torch.cat(state.pending) if state.pending else None)
         width = max(len(f) for f in feeds)
         dim = head.config.hidden_size
         tokens = torch.zeros(len(states), width, dtype=torch.long)
         hidden = torch.zeros(len(states), width, dim, dtype=head.dtype, device=self.target.device)
         with torch.inference_mode():
-            for b, (feed, feat) in enumerate(zip(feeds, feats)):
+            for b, (state, feed) in enumerate(zip(states, feeds)):
+                feat = torch.cat(state.pending)
                 tokens[b, :len(feed)] = torch.tensor(feed, dtype=torch.long)
-                hidden[b, :len(feed)] = head.fuse(feat.to(head.dtype))
-        logits, out = head.step(self._embed(tokens), hidden, self.cache, [s.slot for s in states])
+                hidden[b, :len(feed)] = head.fuse(feat[:len(feed)].to(head.dtype))
+                state.pending = [feat[len(feed):]] if len(feed) < len(feat) else []
         last = torch.tensor([len(f) - 1 for f in feeds])
-        rows = torch.arange(len(states))
+        logits, out = head.step(self._embed(tokens), hidden, self.cache, [s.slot for s in states],
+                                logit_rows=last if with_logits else torch.full_like(last, -1))
         for state, feed in zip(states, feeds):
             self.cache.commit(state.slot, self.cache.length(state.slot) + len(feed))
-            state.pending = []
-        return logits[rows, last], out[rows, last]
+        return logits, out[torch.arange(len(states)), last]
 
     def _ready(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int]
                ) -> list[int]:
@@ -675,9 +737,10 @@ class EagleDrafter:
         return [best_tree(c, n) for c, n in zip(candidates, max_nodes)]
 
 
-def make_eagle_drafter(path: str, target: Transformer, max_len: int = 4096, max_batch: int = 1) -> EagleDrafter:
+def make_eagle_drafter(path: str, target: Transformer, max_len: int = 4096, max_batch: int = 1,
+                       name: str | None = None) -> EagleDrafter:
     head = EagleHead.load(path, dtype=target.dtype, device=target.device)
-    return EagleDrafter(head, target, name=f"eagle:{path}", max_len=max_len, max_batch=max_batch)
+    return EagleDrafter(head, target, name=name or f"eagle:{path}", max_len=max_len, max_batch=max_batch)
 
 
 __all__ = ["EagleConfig", "EagleDrafter", "EagleHead", "aux_features", "default_aux_layer_ids",

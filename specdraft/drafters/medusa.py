@@ -32,7 +32,7 @@ from torch import nn
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.tree_growth import TreeNode, add_children, best_tree, next_frontier
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.model import Transformer
+from specdraft.runtime.model import Linear, Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -72,8 +72,10 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.medusa = config
         dim = config.hidden_size
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(config.num_heads))
-        self.lm_head = nn.Linear(dim, config.draft_vocab_size, bias=False)
+        # The runtime's Linear: bf16 rows run in the fused C kernels (torch's CPU bf16 products are several
+        # times slower than a whole target step where bf16 is not native).
+        self.blocks = nn.ModuleList(Linear(dim, dim) for _ in range(config.num_heads))
+        self.lm_head = Linear(dim, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))
@@ -213,8 +215,8 @@ def _tree_of_choices(log_probs: torch.Tensor, max_nodes: int, to_target: list[in
     return best_tree(candidates, max_nodes)
 
 
-def make_medusa_drafter(path: str, target: Transformer) -> MedusaDrafter:
-    return MedusaDrafter(MedusaHeads.load(path), target, name=f"medusa:{path}")
+def make_medusa_drafter(path: str, target: Transformer, name: str | None = None) -> MedusaDrafter:
+    return MedusaDrafter(MedusaHeads.load(path), target, name=name or f"medusa:{path}")
 
 
 __all__ = ["MedusaConfig", "MedusaDrafter", "MedusaHeads", "make_medusa_drafter"]

@@ -14,7 +14,16 @@ def add_commands(sub) -> None:
     distill.add_argument("--out", required=True, help="output directory (rerun to resume)")
     distill.add_argument("--max-tokens", type=arg_int_in(1), default=256)
     distill.add_argument("--limit", type=arg_int_in(1), default=None, help="use the first N prompts")
-    distill.add_argument("--max-batch", type=arg_int_in(1, 256), default=16)
+    distill.add_argument("--shuffle", action="store_true",
+                         help="draw the prompts in a seeded random order before --limit (files are often grouped "
+                         "by task)")
+    distill.add_argument("--max-prompt-tokens", type=arg_int_in(1), default=None,
+                         help="skip prompts longer than this (counted in the manifest)")
+    distill.add_argument("--features", default="heads", choices=["heads", "none"],
+                         help="record the target's hidden states the EAGLE-3 and Medusa heads train on (heads, "
+                         "the default: about 4 x hidden size x 2 bytes per token) or tokens only (none: training "
+                         "then recomputes them with a target forward per step)")
+    distill.add_argument("--max-batch", type=arg_int_in(1, 256), default=32)
     distill.add_argument("--shard-size", type=arg_int_in(1), default=64)
     distill.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     distill.add_argument("--seed", type=int, default=0)
@@ -75,7 +84,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
                                checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
     target = load_model(args.model, dtype=args.dtype)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
-    train, val = train_val_split(args.data)
+    train, val = train_val_split(args.data, layers=_recorded(args.data, [-1]))
     _, history = train_medusa(target, train, val, args.out, config, resume=args.resume, target_info=info)
     if history["val_agreement"]:
         print("validation top-1 agreement per head: " + " ".join(f"{a:.3f}" for a in history["val_agreement"][-1]))
@@ -121,6 +130,20 @@ def cmd_export_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recorded(data_dir: str, layers: list[int]) -> list[int]:
+    """`layers` when the distillation recorded them all (training reads them), else [] (training recomputes
+    the target's features with a forward per batch, several times slower), with a message either way."""
+    from specdraft.train.data import recorded_layers
+
+    have = set(recorded_layers(data_dir))
+    if set(layers) <= have:
+        print(f"training on the target features recorded in {data_dir} (layers {sorted(layers)})")
+        return sorted(layers)
+    print(f"{data_dir} has no recorded features for layers {sorted(set(layers) - have)}: recomputing them with a "
+          f"target forward per batch (distill with --features heads to record them)")
+    return []
+
+
 def _identity(model: str) -> dict:
     from specdraft.runtime.loader import resolve
     from specdraft.train.data import model_fingerprint
@@ -129,24 +152,29 @@ def _identity(model: str) -> dict:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specdraft.engine.core import Engine
+    from pathlib import Path
+
     from specdraft.runtime.loader import load_model, load_tokenizer
     from specdraft.train.data import file_sha256
-    from specdraft.train.distill import DistillConfig, distill, read_prompts
+    from specdraft.train.distill import DistillConfig, distill, head_feature_layers, read_prompts
 
-    config = DistillConfig(max_tokens=args.max_tokens, shard_size=args.shard_size, max_batch=args.max_batch,
-                           limit=args.limit, seed=args.seed)
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(args.prompts, None if args.shuffle else args.limit)
     model, tokenizer = load_model(args.model, dtype=args.dtype), load_tokenizer(args.model)
-    engine = Engine(model, tokenizer, None, 0, max_batch=args.max_batch)
+    layers = head_feature_layers(model) if args.features == "heads" else []
+    config = DistillConfig(max_tokens=args.max_tokens, shard_size=args.shard_size, max_batch=args.max_batch,
+                           limit=args.limit, seed=args.seed, shuffle=args.shuffle,
+                           max_prompt_tokens=args.max_prompt_tokens, hidden_layers=layers)
     identity = {**_identity(args.model), "prompts_sha256": file_sha256(args.prompts), "dtype": args.dtype}
-    manifest = distill(engine, tokenizer, prompts, args.out, config, identity)
+    manifest = distill(model, tokenizer, prompts, args.out, config, identity)
+    disk = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(f"{args.out}: {manifest['train_sequences']} train / {manifest['val_sequences']} validation sequences, "
-          f"{manifest['train_tokens'] + manifest['val_tokens']} tokens")
+          f"{manifest['train_tokens'] + manifest['val_tokens']} tokens, {manifest['skipped_prompts']} prompts "
+          f"skipped; {disk / 2**20:.0f} MiB on disk")
     return 0
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from specdraft.drafters.eagle import default_aux_layer_ids
     from specdraft.runtime.loader import load_model
     from specdraft.train.data import read_manifest, train_val_split
     from specdraft.train.eagle import TrainConfig, train_eagle
@@ -157,7 +185,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
     target = load_model(args.model, dtype=args.dtype)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
-    train, val = train_val_split(args.data)
+    aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
+    train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))
     result = train_eagle(target, train, val, args.out, config, resume=args.resume, target_info=info)
     val = result.history["val_agreement"]
     if val:

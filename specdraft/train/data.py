@@ -3,6 +3,11 @@
 A dataset directory holds `manifest.json` and shards `{split}-{index:05d}.safetensors`, each with
 `tokens` (int32, the sequences concatenated), `offsets` (int64 [n + 1]) and `prompt_lens` (int32 [n]: the
 prompt part of each sequence, the rest is the target's response). Splits: `train` and `val` (held out).
+
+A distillation that recorded the target's features (manifest setting `hidden_layers`) adds, per layer,
+`hidden.{layer}` ([rows, dim] bf16, the sequences' feature rows concatenated; `hidden.-1` is the final-normed
+output) and `feature_offsets` (int64 [n + 1]): sequence i has features for its first
+`feature_offsets[i+1] - feature_offsets[i]` positions.
 """
 
 from __future__ import annotations
@@ -23,17 +28,47 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.safetensors"
 
 
-def write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int]) -> None:
-    """Atomically (a temporary file, then a rename): an interrupted write never looks finished."""
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths, dtype=torch.long).cumsum(0)])
+
+
+def write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int],
+                features: dict[int, list[torch.Tensor]] | None = None) -> None:
+    """Atomically (a temporary file, then a rename): an interrupted write never looks finished. features:
+    {layer: one [positions, dim] tensor per sequence}, at most one row per token."""
     from safetensors.torch import save_file
 
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int32)
+    tensors = {"tokens": flat, "offsets": _offsets([len(s) for s in sequences]),
+               "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32)}
+    if features and sequences:
+        counts = None
+        for layer, rows in features.items():
+            lengths = [len(r) for r in rows]
+            if counts is not None and lengths != counts:
+                raise ValueError("every recorded layer needs the same positions")
+            if any(n > len(s) for n, s in zip(lengths, sequences)):
+                raise ValueError("more feature rows than tokens in a sequence")
+            counts = lengths
+            tensors[f"hidden.{layer}"] = torch.cat(rows).contiguous()
+        tensors["feature_offsets"] = _offsets(counts)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"tokens": flat, "offsets": offsets, "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32)},
-              str(tmp))
+    save_file(tensors, str(tmp))
     tmp.replace(path)
+
+
+def read_features(path: Path, layers: list[int]) -> list[dict[int, torch.Tensor]]:
+    """Per sequence of a shard, {layer: [positions, dim]} (views into the shard's tensors)."""
+    from safetensors.torch import load_file
+
+    data = load_file(str(path))
+    if len(data["offsets"]) == 1:  # every prompt of the shard was skipped
+        return []
+    missing = [layer for layer in layers if f"hidden.{layer}" not in data]
+    if missing or "feature_offsets" not in data:
+        raise SpecdraftError(f"{path} holds no recorded target features for layers {missing or layers}")
+    offsets = data["feature_offsets"].tolist()
+    return [{layer: data[f"hidden.{layer}"][a:b] for layer in layers} for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def read_shard(path: Path) -> tuple[list[list[int]], list[int]]:
@@ -53,22 +88,40 @@ def read_manifest(data_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def recorded_layers(data_dir: str | Path) -> list[int]:
+    """The target layers whose features the distillation recorded (empty: tokens only)."""
+    return list(read_manifest(data_dir).get("settings", {}).get("hidden_layers", []))
+
+
 def load_split(data_dir: str | Path, split: str) -> list[list[int]]:
     """Every sequence of a split (prompt + response token ids), in shard order."""
+    return [seq for seq, _ in load_split_with_features(data_dir, split, [])]
+
+
+def load_split_with_features(data_dir: str | Path, split: str, layers: list[int]
+                             ) -> list[tuple[list[int], dict[int, torch.Tensor]]]:
+    """Every (sequence, {layer: features}) of a split in shard order; no layers: tokens only ({})."""
     manifest = read_manifest(data_dir)
-    out: list[list[int]] = []
+    out: list[tuple[list[int], dict[int, torch.Tensor]]] = []
     for shard in manifest["shards"]:
         if shard["split"] == split:
-            seqs, _ = read_shard(Path(data_dir) / shard["file"])
-            out.extend(seqs)
+            path = Path(data_dir) / shard["file"]
+            seqs, _ = read_shard(path)
+            feats = read_features(path, layers) if layers else [{} for _ in seqs]
+            out.extend(zip(seqs, feats))
     return out
 
 
-def train_val_split(data_dir: str | Path, val_fraction: float = 0.05) -> tuple[list[list[int]], list[list[int]]]:
-    """The train and validation sequences of a distillation. One stopped before its validation prompts (the
-    last of the prompt file) holds out the last `val_fraction` of its training sequences instead, with a
-    warning: prompts are independent, so those are as unseen as the planned ones."""
-    train, val = load_split(data_dir, "train"), load_split(data_dir, "val")
+def train_val_split(data_dir: str | Path, val_fraction: float = 0.05, layers: list[int] | None = None
+                    ) -> tuple[list, list]:
+    """The train and validation sequences of a distillation (with `layers`: (sequence, features) pairs). One
+    stopped before its validation prompts (the last of the prompt file) holds out the last `val_fraction` of
+    its training sequences instead, with a warning: prompts are independent, so those are as unseen as the
+    planned ones."""
+    if layers:
+        train, val = (load_split_with_features(data_dir, s, layers) for s in ("train", "val"))
+    else:
+        train, val = load_split(data_dir, "train"), load_split(data_dir, "val")
     if not val and len(train) >= 2:
         held = max(1, round(len(train) * val_fraction))
         warnings.warn(f"{data_dir} has no validation split (distillation unfinished): holding out its last "

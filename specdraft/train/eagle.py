@@ -1,12 +1,14 @@
 """Training an EAGLE-3 head on the target's own features (`specdraft train eagle`).
 
-Each step takes a batch of token sequences (the target's own responses, from `specdraft distill`),
-recomputes the target's features with one cache-free `forward_sequence` (no grad; the three aux streams
-and the final logits), and unrolls the head for `ttt_steps` draft steps (training-time test, EAGLE-3):
+Each step takes a batch of token sequences (the target's own responses, from `specdraft distill`) with the
+target's features (the three aux streams and the final-normed output: recorded while the target generated
+them, or recomputed with one cache-free `forward_sequence`; see train/features.py), and unrolls the head for
+`ttt_steps` draft steps (training-time test, EAGLE-3):
 step 0 reads the target's fused features, step s > 0 the head's own step s-1 outputs, so the head learns
 on the inputs it sees when drafting. Step s at row t predicts token t+2+s; its loss is the cross-entropy
 against the target's distribution there restricted to the draft vocabulary (renormalised), at positions
-whose target argmax is in the draft vocabulary; step s weighs 0.8**s (EAGLE-3's weights).
+whose target argmax is in the draft vocabulary where that argmax is known (recomputed features; recorded
+ones train every position, see features.py); step s weighs 0.8**s (EAGLE-3's weights).
 
 The head starts from a fixed seed; the loop (seeded batches, AdamW, checkpoints that resume bit for bit,
 validation, curves) is `train/loop.py`'s. The output directory gets the head (`config.json` +
@@ -22,8 +24,19 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
+from specdraft.drafters.shipped import target_signature
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.train.features import (
+    FINAL,
+    cut,
+    draft_distribution,
+    draft_readout,
+    full_readout,
+    item_tokens,
+    target_argmax,
+    target_batch,
+)
 from specdraft.train.loop import draft_vocabulary, train_loop
 
 STEP_WEIGHT = 0.8
@@ -73,32 +86,32 @@ def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequ
 
 
 class _Batch:
-    """One batch: the head's inputs and the target's answers, computed under no_grad."""
+    """One batch: the head's inputs and the target's answers (recorded features, or one target forward), all
+    without gradients. `full_readout` (the target's whole head) makes the target's argmax exact over its whole
+    vocabulary, which masks positions whose target token the draft vocabulary lacks; without it (training on
+    recorded features) the argmax is taken over the draft vocabulary and every position trains."""
 
-    def __init__(self, target: Transformer, head: EagleHead, seqs: Sequence[Sequence[int]], steps: int) -> None:
-        B = len(seqs)
-        T = max(len(s) for s in seqs)
-        tokens = torch.zeros(B, T + steps, dtype=torch.long)
-        lengths = torch.tensor([len(s) for s in seqs])
-        for b, s in enumerate(seqs):
-            tokens[b, :len(s)] = torch.tensor(s)
+    def __init__(self, target: Transformer, head: EagleHead, items: Sequence, steps: int, readout: torch.Tensor,
+                 full_readout: torch.Tensor | None = None) -> None:
         layers = head.eagle.hidden_layers
-        unique = sorted(set(layers))
         with torch.no_grad():
-            out = target.forward_sequence(tokens[:, :T].to(target.device), capture_layers=unique)
-            aux = torch.cat([out.captured[unique.index(layer)] for layer in layers], dim=-1).float()
-            self.embeds = target.embed_tokens(tokens[:, 1:T + steps - 1].to(target.device)).float()
-            logits = out.logits.float()
-            self.target_argmax = logits.argmax(-1).cpu()  # [B, T]
-            self.soft = torch.softmax(logits[..., head.draft_to_target], dim=-1)  # over the draft vocab
-            self.in_vocab = head.t2d[self.target_argmax]
-        self.aux = aux[:, :T - 1]  # position t needs token t+1
+            tb = target_batch(target, items, layers, extra_tokens=steps)
+            T = tb.rows
+            self.aux = torch.cat([tb.hidden[layer] for layer in layers], dim=-1)[:, :T - 1]  # t needs token t+1
+            self.embeds = target.embed_tokens(tb.tokens[:, 1:T + steps - 1].to(target.device)).float().cpu()
+            self.soft = draft_distribution(target, tb, readout, head.draft_to_target)  # [B, T, draft vocab]
+            if tb.logits is not None or full_readout is not None:
+                self.target_argmax = target_argmax(target, tb, full_readout)
+                self.in_vocab = head.t2d[self.target_argmax]
+            else:
+                self.target_argmax = head.draft_to_target[self.soft.argmax(-1)]
+                self.in_vocab = torch.ones_like(self.target_argmax, dtype=torch.bool)
         self.rows = T - 1
-        self.lengths = lengths
+        self.lengths = tb.lengths
         self.steps = steps
 
     def valid(self, s: int) -> torch.Tensor:
-        """[B, rows]: step s at row t is real when token t+1+s exists."""
+        """[B, rows]: step s at row t is real when the target's distribution at t+1+s is known."""
         t = torch.arange(self.rows)[None, :]
         return t + 1 + s < self.lengths[:, None]
 
@@ -144,17 +157,19 @@ def batch_losses(head: EagleHead, batch: _Batch) -> tuple[torch.Tensor, list[flo
     return total, losses, accs, agree
 
 
-def evaluate(target: Transformer, head: EagleHead, sequences: Sequence[Sequence[int]], config: TrainConfig
-             ) -> list[float]:
-    """Top-1 agreement with the target per draft step over held-out sequences."""
+def evaluate(target: Transformer, head: EagleHead, items: Sequence, config: TrainConfig,
+             readout: torch.Tensor, full: torch.Tensor) -> list[float]:
+    """Top-1 agreement with the target (its argmax over the whole vocabulary) per draft step over held-out
+    sequences."""
     hits = [0.0] * config.ttt_steps
     total = [0.0] * config.ttt_steps
     with torch.no_grad():
-        for i in range(0, len(sequences), config.batch_size):
-            seqs = [list(s[:config.seq_len]) for s in sequences[i:i + config.batch_size] if len(s) >= 2]
-            if not seqs:
+        for i in range(0, len(items), config.batch_size):
+            chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
+            chunk = [item for item in chunk if _positions(item) >= 2]
+            if not chunk:
                 continue
-            batch = _Batch(target, head, seqs, config.ttt_steps)
+            batch = _Batch(target, head, chunk, config.ttt_steps, readout, full)
             _, _, _, agree = batch_losses(head, batch)
             for s, a in enumerate(agree):
                 n = float(batch.valid(s).sum())
@@ -163,26 +178,34 @@ def evaluate(target: Transformer, head: EagleHead, sequences: Sequence[Sequence[
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def train_eagle(target: Transformer, train_seqs: Sequence[Sequence[int]], val_seqs: Sequence[Sequence[int]],
-                out_dir: str | Path, config: TrainConfig | None = None, resume: bool = False,
-                stop_after: int | None = None, progress: bool = True, target_info: dict | None = None
-                ) -> TrainResult:
-    """Train (or resume training) a head; `stop_after` ends this run after that many steps, checkpointed (an
-    interruption, for tests). The finished head is saved in out_dir (loadable as `eagle:DIR`)."""
+def _positions(item) -> int:
+    """Positions of an item with known target features."""
+    return len(item[1][FINAL]) if isinstance(item, tuple) else len(item)
+
+
+def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
+                config: TrainConfig | None = None, resume: bool = False, stop_after: int | None = None,
+                progress: bool = True, target_info: dict | None = None) -> TrainResult:
+    """Train (or resume training) a head on token sequences or (sequence, recorded features) pairs (see
+    train/features.py); `stop_after` ends this run after that many steps, checkpointed (an interruption, for
+    tests). The finished head is saved in out_dir (loadable as `eagle:DIR`)."""
     config = config or TrainConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_seqs = [list(s[:config.seq_len]) for s in train_seqs if len(s) >= 2]
-    if not train_seqs:
-        raise SpecdraftError("no training sequences of at least 2 tokens")
-    head = new_head(target, config, train_seqs)
-    head.eagle.target.update(target_info or {})
+    train_items = [cut(item, config.seq_len) for item in train_items]
+    train_items = [item for item in train_items if _positions(item) >= 2]
+    if not train_items:
+        raise SpecdraftError("no training sequences with at least 2 positions")
+    head = new_head(target, config, [item_tokens(item) for item in train_items])
+    head.eagle.target.update({**(target_info or {}), "signature": target_signature(target)})
+    readout = draft_readout(target, head.draft_to_target)
+    full = full_readout(target) if val_items else None
 
-    def step_losses(seqs: list[list[int]]) -> tuple[torch.Tensor, list[float], list[float]]:
-        loss, losses, accs, _ = batch_losses(head, _Batch(target, head, seqs, config.ttt_steps))
+    def step_losses(items: list) -> tuple[torch.Tensor, list[float], list[float]]:
+        loss, losses, accs, _ = batch_losses(head, _Batch(target, head, items, config.ttt_steps, readout))
         return loss, losses, accs
 
-    history = train_loop(head, config, train_seqs, step_losses,
-                         (lambda: evaluate(target, head, val_seqs, config)) if val_seqs else None, out_dir,
-                         lambda: head.save(out_dir), resume, stop_after, progress, desc="train eagle")
+    history = train_loop(head, config, train_items, [_positions(item) for item in train_items], step_losses,
+                         (lambda: evaluate(target, head, val_items, config, readout, full)) if val_items else None,
+                         out_dir, lambda: head.save(out_dir), resume, stop_after, progress, desc="train eagle")
     return TrainResult(head, history, out_dir)

@@ -2,7 +2,11 @@
 warm-up and cosine decay, gradient clipping, checkpoints that resume bit for bit, validation, a progress bar,
 and the loss and accuracy curves as PNG.
 
-Deterministic and resumable: batch i is drawn by a generator seeded with (seed, i), and a checkpoint (head,
+Batches hold sequences of similar length, so they pad little (the data mixes 20- and 700-token sequences):
+each epoch shuffles the items with a generator seeded by (seed, epoch), sorts each run of 64 batches' worth
+by length, cuts it into batches and shuffles the batches.
+
+Deterministic and resumable: step i's batch depends only on (seed, i), and a checkpoint (head,
 optimizer state, step, history, the config) is written every `checkpoint_every` steps, so an interrupted run
 resumed with `resume=True` ends with the same weights as an uninterrupted one. A checkpoint made with other
 settings (anything but the step counts) is refused.
@@ -27,7 +31,7 @@ CHECKPOINT = "checkpoint.pt"
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "eval_every")
 
 # One step: (weighted loss with a graph, per-draft-step losses, per-draft-step accuracies) of a batch.
-StepLosses = Callable[[list[list[int]]], tuple[torch.Tensor, list[float], list[float]]]
+StepLosses = Callable[[list], tuple[torch.Tensor, list[float], list[float]]]
 
 
 def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
@@ -41,9 +45,35 @@ def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int, vocab_size: 
     return torch.tensor(sorted(ranked), dtype=torch.long)
 
 
-def batch_indices(seed: int, step: int, num: int, size: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, num, (size,), generator=g).tolist()
+BUCKET_BATCHES = 64  # batches' worth of items sorted by length together
+
+
+def epoch_batches(lengths: Sequence[int], size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches of item indices: every item once, batches of up to `size` items of similar length,
+    in a random order fixed by (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches = []
+    span = size * BUCKET_BATCHES
+    for start in range(0, len(order), span):
+        bucket = sorted(order[start:start + span], key=lambda i: lengths[i])
+        batches += [bucket[i:i + size] for i in range(0, len(bucket), size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+class BatchSchedule:
+    """Step -> batch of item indices, epoch after epoch (each epoch's batches made once)."""
+
+    def __init__(self, lengths: Sequence[int], size: int, seed: int) -> None:
+        self.lengths, self.size, self.seed = list(lengths), size, seed
+        self.per_epoch = -(-len(self.lengths) // size)
+        self._epoch, self._batches = -1, []
+
+    def __call__(self, step: int) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, epoch_batches(self.lengths, self.size, self.seed, epoch)
+        return self._batches[index]
 
 
 def learning_rate(config: Any, step: int) -> float:
@@ -54,11 +84,12 @@ def learning_rate(config: Any, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_loop(head: torch.nn.Module, config: Any, train_seqs: list[list[int]], step_losses: StepLosses,
-               evaluate: Callable[[], list[float]] | None, out_dir: Path, save: Callable[[], None],
-               resume: bool = False, stop_after: int | None = None, progress: bool = True,
-               desc: str = "train") -> dict:
-    """Run (or resume) `config.steps` steps; returns the history. `config` is a dataclass with steps,
+def train_loop(head: torch.nn.Module, config: Any, train_items: Sequence, lengths: Sequence[int],
+               step_losses: StepLosses, evaluate: Callable[[], list[float]] | None, out_dir: Path,
+               save: Callable[[], None], resume: bool = False, stop_after: int | None = None,
+               progress: bool = True, desc: str = "train") -> dict:
+    """Run (or resume) `config.steps` steps over `train_items` (their `lengths` shape the batches); returns
+    the history. `config` is a dataclass with steps,
     batch_size, lr, weight_decay, warmup, grad_clip, seed, checkpoint_every and eval_every; `save` writes the
     finished head into out_dir. `stop_after` ends this run after that many steps, checkpointed (an
     interruption, for tests)."""
@@ -91,9 +122,10 @@ def train_loop(head: torch.nn.Module, config: Any, train_seqs: list[list[int]], 
         from tqdm import tqdm
 
         bar = tqdm(total=config.steps, initial=start, desc=desc, unit="step", dynamic_ncols=True)
+    schedule = BatchSchedule(lengths, config.batch_size, config.seed)
     head.train()
     for step in range(start, end):
-        seqs = [train_seqs[i] for i in batch_indices(config.seed, step, len(train_seqs), config.batch_size)]
+        seqs = [train_items[i] for i in schedule(step)]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         loss, losses, accs = step_losses(seqs)
@@ -114,7 +146,8 @@ def train_loop(head: torch.nn.Module, config: Any, train_seqs: list[list[int]], 
             head.train()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
+            bar.set_postfix(epoch=f"{step / schedule.per_epoch:.2f}", loss=f"{float(loss.detach()):.3f}",
+                            acc=" ".join(f"{a:.2f}" for a in accs))
         if done % config.checkpoint_every == 0 or done == end:
             checkpoint(done)
     if bar is not None:
@@ -167,4 +200,5 @@ def plot_history(history: dict, out_dir: Path, title: str = "head") -> None:
     plt.close(fig)
 
 
-__all__ = ["CHECKPOINT", "batch_indices", "draft_vocabulary", "learning_rate", "plot_history", "train_loop"]
+__all__ = ["CHECKPOINT", "BatchSchedule", "draft_vocabulary", "epoch_batches", "learning_rate", "plot_history",
+           "train_loop"]

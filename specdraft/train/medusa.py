@@ -1,10 +1,11 @@
 """Training Medusa-1 heads on the target's own outputs (`specdraft train medusa`).
 
-Each step recomputes, with one cache-free target forward (no grad), the final-normed hidden states h_t of a
-batch of sequences (the target's own responses, from `specdraft distill`) and the target's distributions.
-Head k (1-based) at row t learns the target's distribution at row t + k (which predicts token t + k + 1,
-the token head k guesses from h_t), restricted to the draft vocabulary and renormalised, at positions whose
-target argmax is in it; head k weighs 0.8**(k-1). The loop (seeded batches, checkpoints that resume bit for
+Each step takes the final-normed hidden states h_t of a batch of sequences (the target's own responses, from
+`specdraft distill`: recorded while it generated them, or recomputed with one cache-free target forward) and
+the target's distributions (train/features.py). Head k (1-based) at row t learns the target's distribution
+at row t + k (which predicts token t + k + 1, the token head k guesses from h_t), restricted to the draft
+vocabulary and renormalised (at positions whose target argmax is in it, where that argmax is known exactly);
+head k weighs 0.8**(k-1). The loop (seeded batches, checkpoints that resume bit for
 bit, curves) is `train/loop.py`'s.
 """
 
@@ -17,8 +18,19 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaHeads
+from specdraft.drafters.shipped import target_signature
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.train.features import (
+    FINAL,
+    cut,
+    draft_distribution,
+    draft_readout,
+    full_readout,
+    item_tokens,
+    target_argmax,
+    target_batch,
+)
 from specdraft.train.loop import draft_vocabulary, train_loop
 
 HEAD_WEIGHT = 0.8
@@ -41,22 +53,23 @@ class MedusaTrainConfig:
 
 
 class _Batch:
-    """The heads' inputs and the target's answers for one batch, computed under no_grad."""
+    """The heads' inputs and the target's answers for one batch (recorded features, or one target forward),
+    without gradients; `full_readout` as in train/eagle.py (exact argmax and the draft-vocabulary mask)."""
 
-    def __init__(self, target: Transformer, heads: MedusaHeads, seqs: Sequence[Sequence[int]]) -> None:
-        T = max(len(s) for s in seqs)
-        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            tokens[b, :len(s)] = torch.tensor(s)
-        self.lengths = torch.tensor([len(s) for s in seqs])
+    def __init__(self, target: Transformer, heads: MedusaHeads, items: Sequence, readout: torch.Tensor,
+                 full_readout: torch.Tensor | None = None) -> None:
         with torch.no_grad():
-            out = target.forward_sequence(tokens.to(target.device))
-            self.hidden = out.hidden.float()
-            logits = out.logits.float()
-            self.target_argmax = logits.argmax(-1).cpu()
-            self.soft = torch.softmax(logits[..., heads.draft_to_target], dim=-1)
-            self.in_vocab = heads.t2d[self.target_argmax]
-        self.rows = T
+            tb = target_batch(target, items, [FINAL])
+            self.hidden = tb.hidden[FINAL]
+            self.soft = draft_distribution(target, tb, readout, heads.draft_to_target)
+            if tb.logits is not None or full_readout is not None:
+                self.target_argmax = target_argmax(target, tb, full_readout)
+                self.in_vocab = heads.t2d[self.target_argmax]
+            else:
+                self.target_argmax = heads.draft_to_target[self.soft.argmax(-1)]
+                self.in_vocab = torch.ones_like(self.target_argmax, dtype=torch.bool)
+        self.lengths = tb.lengths
+        self.rows = tb.rows
 
 
 def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list[float], list[float], list[float]]:
@@ -97,17 +110,19 @@ def new_heads(target: Transformer, config: MedusaTrainConfig, train_seqs: Sequen
     return heads.float().requires_grad_(True)
 
 
-def evaluate(target: Transformer, heads: MedusaHeads, sequences: Sequence[Sequence[int]],
-             config: MedusaTrainConfig) -> list[float]:
-    """Top-1 agreement with the target per head over held-out sequences."""
+def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: MedusaTrainConfig,
+             readout: torch.Tensor, full: torch.Tensor) -> list[float]:
+    """Top-1 agreement with the target (its argmax over the whole vocabulary) per head over held-out
+    sequences."""
     hits = [0.0] * config.heads
     total = [0.0] * config.heads
     with torch.no_grad():
-        for i in range(0, len(sequences), config.batch_size):
-            seqs = [list(s[:config.seq_len]) for s in sequences[i:i + config.batch_size] if len(s) >= 2]
-            if not seqs:
+        for i in range(0, len(items), config.batch_size):
+            chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
+            chunk = [item for item in chunk if _positions(item) >= 2]
+            if not chunk:
                 continue
-            batch = _Batch(target, heads, seqs)
+            batch = _Batch(target, heads, chunk, readout, full)
             _, _, _, agree = medusa_losses(heads, batch)
             for k, a in enumerate(agree, start=1):
                 n = float(((torch.arange(batch.rows)[None, :] + k) < batch.lengths[:, None]).sum())
@@ -116,28 +131,34 @@ def evaluate(target: Transformer, heads: MedusaHeads, sequences: Sequence[Sequen
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def train_medusa(target: Transformer, train_seqs: Sequence[Sequence[int]], val_seqs: Sequence[Sequence[int]],
-                 out_dir: str | Path, config: MedusaTrainConfig | None = None, resume: bool = False,
-                 stop_after: int | None = None, progress: bool = True, target_info: dict | None = None
-                 ) -> tuple[MedusaHeads, dict]:
-    """Train (or resume training) Medusa heads; returns them and the history. The finished heads are saved
-    in out_dir (loadable as `medusa:DIR`)."""
+def _positions(item) -> int:
+    return len(item[1][FINAL]) if isinstance(item, tuple) else len(item)
+
+
+def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
+                 config: MedusaTrainConfig | None = None, resume: bool = False, stop_after: int | None = None,
+                 progress: bool = True, target_info: dict | None = None) -> tuple[MedusaHeads, dict]:
+    """Train (or resume training) Medusa heads on token sequences or (sequence, recorded features) pairs;
+    returns them and the history. The finished heads are saved in out_dir (loadable as `medusa:DIR`)."""
     config = config or MedusaTrainConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_seqs = [list(s[:config.seq_len]) for s in train_seqs if len(s) >= 2]
-    if not train_seqs:
-        raise SpecdraftError("no training sequences of at least 2 tokens")
-    heads = new_heads(target, config, train_seqs)
-    heads.medusa.target.update(target_info or {})
+    train_items = [cut(item, config.seq_len) for item in train_items]
+    train_items = [item for item in train_items if _positions(item) >= 2]
+    if not train_items:
+        raise SpecdraftError("no training sequences with at least 2 positions")
+    heads = new_heads(target, config, [item_tokens(item) for item in train_items])
+    heads.medusa.target.update({**(target_info or {}), "signature": target_signature(target)})
+    readout = draft_readout(target, heads.draft_to_target)
+    full = full_readout(target) if val_items else None
 
-    def step_losses(seqs: list[list[int]]) -> tuple[torch.Tensor, list[float], list[float]]:
-        loss, losses, accs, _ = medusa_losses(heads, _Batch(target, heads, seqs))
+    def step_losses(items: list) -> tuple[torch.Tensor, list[float], list[float]]:
+        loss, losses, accs, _ = medusa_losses(heads, _Batch(target, heads, items, readout))
         return loss, losses, accs
 
-    history = train_loop(heads, config, train_seqs, step_losses,
-                         (lambda: evaluate(target, heads, val_seqs, config)) if val_seqs else None, out_dir,
-                         lambda: heads.save(out_dir, dtype=target.dtype), resume, stop_after, progress,
+    history = train_loop(heads, config, train_items, [_positions(item) for item in train_items], step_losses,
+                         (lambda: evaluate(target, heads, val_items, config, readout, full)) if val_items else None,
+                         out_dir, lambda: heads.save(out_dir, dtype=target.dtype), resume, stop_after, progress,
                          desc="train medusa")
     return heads, history
 
