@@ -10,7 +10,7 @@ PROMPTS=${PROMPTS:-../shared/data/prompts-train.jsonl}
 SUITE=${SUITE:-../shared/data/specbench-dev.jsonl}
 case "$MODEL" in
   smollm2-135m) LIMIT=1800; EAGLE_STEPS=400; MEDUSA_STEPS=300; VOCAB=8192 ;;
-  gemma3-270m)  LIMIT=900;  EAGLE_STEPS=400; MEDUSA_STEPS=200; VOCAB=6144 ;;
+  gemma3-270m)  LIMIT=900;  EAGLE_STEPS=300; MEDUSA_STEPS=200; VOCAB=6144 ;;
   *) echo "no recipe for $MODEL" >&2; exit 2 ;;
 esac
 PY=${PY:-.venv/bin/python}

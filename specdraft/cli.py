@@ -105,6 +105,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k, tree=args.tree)
     messages = [{"role": "user", "content": prompt}]
     llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    if llm.engine.drafter is not None:  # `auto` resolved: the shipped head marked default, else ngram
+        drafter = llm.engine.drafter.name
     shape = f"trees of up to {args.tree} tokens" if args.tree else "chains"
     print(f"model {args.model}, drafter {drafter}, K={k}, {shape}, greedy, {args.max_tokens} tokens\n")
     print(f"prompt: {prompt}\n")
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="speculative vs plain decoding on one prompt")
     demo.add_argument("--model", default="smollm2-135m")
-    add_speculation_arguments(demo, default_drafter="ngram")
+    add_speculation_arguments(demo, default_drafter="auto")
     demo.add_argument("--max-tokens", type=arg_int_in(1), default=128)
     demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     demo.set_defaults(func=cmd_demo)

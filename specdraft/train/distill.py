@@ -225,10 +225,9 @@ def distill(target: Transformer, tokenizer, prompts: Sequence, out_dir: str | Pa
             kept = [i for i in range(lo, hi) if i in finished]
             _write(out_dir, manifest, split, index, lo, hi, [finished.pop(i) for i in kept], layers,
                    hi - lo - len(kept))
-            if bar is not None:
-                bar.update(hi - lo)
-                bar.set_postfix(tok_s=f"{generated / max(1e-9, time.perf_counter() - t0):.1f}")
 
+    if bar is not None:
+        bar.update(len(skipped))
     try:
         flush()  # shards whose prompts were all skipped
         while queue or active:
@@ -243,6 +242,9 @@ def distill(target: Transformer, tokenizer, prompts: Sequence, out_dir: str | Pa
                 feats = recorder.take(chunk.request_id, dim) if recorder else {}
                 finished[i] = (chunk.result.prompt_token_ids, chunk.result.token_ids, feats)
                 generated += len(chunk.result.token_ids)
+                if bar is not None:  # per prompt, so the rate and ETA move between shards
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{generated / max(1e-9, time.perf_counter() - t0):.1f}")
             flush()
     finally:
         for _, request in active.values():

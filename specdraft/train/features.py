@@ -13,7 +13,7 @@ The soft labels come from the final-normed hidden state through the target's own
 vocabulary (soft-capped as the target's logits are), which is the target's distribution over the draft
 vocabulary renormalised, at a fraction of the full head's cost (Gemma-3's full head is 168M parameters).
 Where the full-vocabulary argmax is needed (validation agreement, and masking positions whose target token
-is not in the draft vocabulary), `exact=True` computes the whole head, in chunks.
+is not in the draft vocabulary), `target_argmax` computes the whole head, in chunks of rows.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from specdraft.runtime.model import Transformer
 
 FINAL = -1
 HEAD_CHUNK = 2048  # rows of the full head computed at once (memory: rows x vocab fp32)
+
 
 def item_tokens(item) -> list[int]:
     return item[0] if isinstance(item, tuple) else item
