@@ -25,17 +25,17 @@ import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.drafters.shipped import target_signature
-from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer, bf16_gemm_is_native
 from specdraft.train.features import (
-    FINAL,
     cut,
     draft_distribution,
     draft_readout,
     full_readout,
+    item_positions,
     item_tokens,
     target_argmax,
     target_batch,
+    training_items,
 )
 from specdraft.train.loop import draft_vocabulary, train_loop
 
@@ -166,7 +166,7 @@ def evaluate(target: Transformer, head: EagleHead, items: Sequence, config: Trai
     with torch.no_grad():
         for i in range(0, len(items), config.batch_size):
             chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
-            chunk = [item for item in chunk if _positions(item) >= 2]
+            chunk = [item for item in chunk if item_positions(item) >= 2]
             if not chunk:
                 continue
             batch = _Batch(target, head, chunk, config.ttt_steps, readout, full)
@@ -178,11 +178,6 @@ def evaluate(target: Transformer, head: EagleHead, items: Sequence, config: Trai
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def _positions(item) -> int:
-    """Positions of an item with known target features."""
-    return len(item[1][FINAL]) if isinstance(item, tuple) else len(item)
-
-
 def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
                 config: TrainConfig | None = None, resume: bool = False, stop_after: int | None = None,
                 progress: bool = True, target_info: dict | None = None) -> TrainResult:
@@ -192,10 +187,7 @@ def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence,
     config = config or TrainConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_items = [cut(item, config.seq_len) for item in train_items]
-    train_items = [item for item in train_items if _positions(item) >= 2]
-    if not train_items:
-        raise SpecdraftError("no training sequences with at least 2 positions")
+    train_items = training_items(train_items, config.seq_len)
     head = new_head(target, config, [item_tokens(item) for item in train_items])
     head.eagle.target.update({**(target_info or {}), "signature": target_signature(target)})
     readout = draft_readout(target, head.draft_to_target)
@@ -205,7 +197,7 @@ def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence,
         loss, losses, accs, _ = batch_losses(head, _Batch(target, head, items, config.ttt_steps, readout))
         return loss, losses, accs
 
-    history = train_loop(head, config, train_items, [_positions(item) for item in train_items], step_losses,
+    history = train_loop(head, config, train_items, [item_positions(item) for item in train_items], step_losses,
                          (lambda: evaluate(target, head, val_items, config, readout, full)) if val_items else None,
                          out_dir, lambda: head.save(out_dir), resume, stop_after, progress, desc="train eagle")
     return TrainResult(head, history, out_dir)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 
 FINAL = -1
@@ -43,6 +44,19 @@ def cut(item, seq_len: int):
         seq, feats = item
         return list(seq[:seq_len]), {layer: f[:seq_len] for layer, f in feats.items()}
     return list(item[:seq_len])
+
+
+def item_positions(item) -> int:
+    """Positions of an item whose target features are known (all of a plain sequence's)."""
+    return len(item[1][FINAL]) if isinstance(item, tuple) else len(item)
+
+
+def training_items(items: Sequence, seq_len: int) -> list:
+    """The items cut to `seq_len`, without those too short to train on (fewer than 2 known positions)."""
+    kept = [it for it in (cut(item, seq_len) for item in items) if item_positions(it) >= 2]
+    if not kept:
+        raise SpecdraftError("no training sequences with at least 2 positions")
+    return kept
 
 
 @dataclass
@@ -129,4 +143,4 @@ def target_argmax(target: Transformer, batch: TargetBatch, readout: torch.Tensor
 
 
 __all__ = ["FINAL", "TargetBatch", "cut", "draft_distribution", "draft_readout", "full_readout", "item_length",
-           "item_tokens", "target_argmax", "target_batch"]
+           "item_positions", "item_tokens", "target_argmax", "target_batch", "training_items"]

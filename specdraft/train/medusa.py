@@ -19,7 +19,6 @@ import torch
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaHeads
 from specdraft.drafters.shipped import target_signature
-from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer, bf16_gemm_is_native
 from specdraft.train.features import (
     FINAL,
@@ -27,9 +26,11 @@ from specdraft.train.features import (
     draft_distribution,
     draft_readout,
     full_readout,
+    item_positions,
     item_tokens,
     target_argmax,
     target_batch,
+    training_items,
 )
 from specdraft.train.loop import draft_vocabulary, train_loop
 
@@ -119,7 +120,7 @@ def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: M
     with torch.no_grad():
         for i in range(0, len(items), config.batch_size):
             chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
-            chunk = [item for item in chunk if _positions(item) >= 2]
+            chunk = [item for item in chunk if item_positions(item) >= 2]
             if not chunk:
                 continue
             batch = _Batch(target, heads, chunk, readout, full)
@@ -131,10 +132,6 @@ def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: M
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def _positions(item) -> int:
-    return len(item[1][FINAL]) if isinstance(item, tuple) else len(item)
-
-
 def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
                  config: MedusaTrainConfig | None = None, resume: bool = False, stop_after: int | None = None,
                  progress: bool = True, target_info: dict | None = None) -> tuple[MedusaHeads, dict]:
@@ -143,10 +140,7 @@ def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence
     config = config or MedusaTrainConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_items = [cut(item, config.seq_len) for item in train_items]
-    train_items = [item for item in train_items if _positions(item) >= 2]
-    if not train_items:
-        raise SpecdraftError("no training sequences with at least 2 positions")
+    train_items = training_items(train_items, config.seq_len)
     heads = new_heads(target, config, [item_tokens(item) for item in train_items])
     heads.medusa.target.update({**(target_info or {}), "signature": target_signature(target)})
     readout = draft_readout(target, heads.draft_to_target)
@@ -156,7 +150,7 @@ def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence
         loss, losses, accs, _ = medusa_losses(heads, _Batch(target, heads, items, readout))
         return loss, losses, accs
 
-    history = train_loop(heads, config, train_items, [_positions(item) for item in train_items], step_losses,
+    history = train_loop(heads, config, train_items, [item_positions(item) for item in train_items], step_losses,
                          (lambda: evaluate(target, heads, val_items, config, readout, full)) if val_items else None,
                          out_dir, lambda: heads.save(out_dir, dtype=target.dtype), resume, stop_after, progress,
                          desc="train medusa")
