@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdraft.config import SpecConfig, is_config_ref
+from specdraft.config import SpecConfig, is_config_ref, target_dtype
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine, GenerationResult, StreamChunk, build_engine
 from specdraft.engine.metrics import SpecMetrics
@@ -54,7 +54,7 @@ class LLM:
         speculative_model: str | None = None,
         num_speculative_tokens: int = 5,
         tree: int = 0,
-        dtype: str = "bf16",
+        dtype: str = "auto",
         device: str | None = None,
         max_model_len: int = 4096,
         max_batch: int = 1,
@@ -76,7 +76,8 @@ class LLM:
                              max_model_len=max_model_len, max_batch=max_batch, adaptive=adaptive,
                              min_acceptance=min_acceptance, drafter_options=dict(drafter_options or {}))
         self.config = cfg
-        self.target = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, progress=progress)
+        self.target = load_model(cfg.model, dtype=target_dtype(cfg.dtype, cfg.speculative_model), device=cfg.device,
+                                 progress=progress)
         self.tokenizer = load_tokenizer(cfg.model, progress=progress)
         self.engine: Engine = build_engine(
             self.target, self.tokenizer, cfg.speculative_model, cfg.num_speculative_tokens,

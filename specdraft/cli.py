@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdraft.config import arg_draft_length, arg_int_in, arg_tree_size
+from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, arg_tree_size
 from specdraft.drafters import DRAFTER_HELP
 from specdraft.errors import SpecdraftError
 from specdraft.verify.sampling import SamplingParams
@@ -108,7 +108,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if llm.engine.drafter is not None:  # `auto` resolved: the shipped head marked default, else ngram
         drafter = llm.engine.drafter.name
     shape = f"trees of up to {args.tree} tokens" if args.tree else "chains"
-    print(f"model {args.model}, drafter {drafter}, K={k}, {shape}, greedy, {args.max_tokens} tokens\n")
+    weights = "GGUF-native" if llm.target.native_report is not None else str(llm.target.dtype).removeprefix("torch.")
+    print(f"model {args.model} ({weights} weights), drafter {drafter}, K={k}, {shape}, greedy, "
+          f"{args.max_tokens} tokens\n")
     print(f"prompt: {prompt}\n")
     spec = llm.chat(messages, params)[0]
     plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     gen.add_argument("--max-model-len", type=arg_int_in(2), default=4096)
     gen.add_argument("--max-batch", type=arg_int_in(1, 256), default=1, help="requests in flight at once")
     gen.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")

@@ -27,7 +27,7 @@ class SpecConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int = 5
     tree: int = 0  # draft tokens per round as a token tree (0: chains)
-    dtype: str = "bf16"
+    dtype: str = "auto"
     device: str | None = None
     max_model_len: int = 4096
     max_batch: int = 1
@@ -52,8 +52,8 @@ class SpecConfig:
              "num_speculative_tokens", f"must be an integer in [0, {MAX_DRAFT_TOKENS}]"),
             (is_int(self.tree) and 0 <= self.tree <= MAX_TREE_NODES, "tree",
              f"must be an integer in [0, {MAX_TREE_NODES}] (draft tokens per tree; 0 = chains)"),
-            (self.dtype in ("bf16", "fp32", "fp16", "bfloat16", "float32", "float16"), "dtype",
-             "must be one of bf16, fp32, fp16"),
+            (self.dtype in ("auto", "bf16", "gguf", "fp32", "fp16", "bfloat16", "float32", "float16"), "dtype",
+             "must be one of auto, bf16, gguf (a GGUF model on its own quantized blocks), fp32, fp16"),
             (self.device is None or isinstance(self.device, str), "device", "must be a string such as 'cpu'"),
             (is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "must be an integer >= 2"),
             (is_int(self.max_batch) and 1 <= self.max_batch <= 256, "max_batch", "must be an integer in [1, 256]"),
@@ -99,6 +99,18 @@ class SpecConfig:
         except json.JSONDecodeError as exc:
             raise SpecdraftError(f"config file {path} is not valid JSON: {exc}") from None
         return cls.from_dict(raw)
+
+
+DTYPE_HELP = ("auto (default: a GGUF model's own quantized blocks on CPU, else bf16), bf16, gguf (a GGUF model on "
+              "its own quantized blocks, CPU), fp32, fp16 (GPU)")
+
+
+def target_dtype(dtype: str, speculative_model: str | None) -> str:
+    """The dtype the target loads in: "auto" stays dense (bf16) for the quant:* self-drafts, which quantize a
+    dense target; the loader resolves "auto" otherwise (GGUF-native for a GGUF model on CPU)."""
+    if dtype == "auto" and isinstance(speculative_model, str) and speculative_model.startswith("quant:"):
+        return "bf16"
+    return dtype
 
 
 def is_config_ref(ref: str) -> bool:

@@ -34,7 +34,15 @@ from specdraft.bench.runtime_bench import (
     summarize_runs,
     weight_bytes_per_token,
 )
-from specdraft.bench.specbench import PromptBuilder, build_results, method_tree, parse_methods, run_suite, warm_up
+from specdraft.bench.specbench import (
+    PromptBuilder,
+    build_results,
+    method_dtype,
+    method_tree,
+    parse_methods,
+    run_suite,
+    warm_up,
+)
 from specdraft.bench.suite import (
     DEFAULT_SUITE,
     GROUPS,
@@ -413,6 +421,30 @@ def test_parse_methods_and_peers():
     assert parse_peers("") == [] and parse_peers(None) == []
     with pytest.raises(SpecdraftError, match="unknown peer"):
         parse_peers("vllm")
+
+
+def test_methods_on_the_target_in_another_dtype():
+    """`NAME@gguf` runs NAME on the GGUF-native target; its plain baseline `plain@gguf` is added before it."""
+    assert parse_methods("ngram,ngram@gguf,eagle+tree8@gguf") == [
+        "plain", "ngram", "plain@gguf", "ngram@gguf", "eagle+tree8@gguf"]
+    assert method_dtype("eagle+tree8@gguf") == ("eagle+tree8", "gguf")
+    assert method_dtype("ngram") == ("ngram", None)
+    with pytest.raises(SpecdraftError, match="@ takes one of"):
+        method_dtype("ngram@fp8")
+    # Lossless against its own plain decoding (other weights give other text than bf16 plain): a method
+    # on other weights is compared with its baseline only.
+    calls: list = []
+    ours = [FakeMethod("plain", calls, "ab"), FakeMethod("plain@gguf", calls, "xy"),
+            FakeMethod("ngram@gguf", calls, "xy", baseline="plain@gguf"),
+            FakeMethod("eagle@gguf", calls, "xz", baseline="plain@gguf")]
+    qs = [_q(1, "qa")]
+    runs = run_suite(ours, qs, PromptBuilder(FakeTokenizer(True)), SamplingParams(temperature=0), 1,
+                     progress=False)
+    info = [{"name": m.name, "kind": m.kind, "baseline": m.baseline} for m in ours]
+    overall = build_results(header([]), {}, qs, info, runs, True)["summary"]["overall"]
+    assert overall["plain@gguf"]["identical"] is None
+    assert (overall["ngram@gguf"]["identical_to_baseline"], overall["ngram@gguf"]["identical"]) == (1, None)
+    assert overall["eagle@gguf"]["identical_to_baseline"] == 0
 
 
 def test_missing_peers_are_skipped_with_a_message(monkeypatch, tmp_path):

@@ -27,7 +27,9 @@ def _pct(value) -> str:
 def _identical(agg: dict, greedy: bool) -> str:
     if not greedy:
         return "n/a"
-    if agg.get("compared") is None:
+    if agg.get("compared") is None:  # a method on other weights (`@gguf`): only against its own plain
+        if agg.get("compared_to_baseline") is not None:
+            return f"own plain {agg['identical_to_baseline']}/{agg['compared_to_baseline']}"
         return ""
     text = f"{agg['identical']}/{agg['compared']}"
     if agg.get("compared_to_baseline") is not None:

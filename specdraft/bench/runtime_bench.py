@@ -1,8 +1,9 @@
 """`specdraft bench-runtime`: plain greedy decoding speed of our runtime against transformers `generate`, with
 the memory-bandwidth floor measured in the same run.
 
-Methods: `ours-bf16`, `ours-fp32` (our `Transformer`, no drafter) and `hf-bf16`, `hf-fp32` (transformers on
-the same converted weights, `do_sample=False`), all in one process with the same torch thread count. Every
+Methods: `ours-bf16`, `ours-fp32` (our `Transformer`, no drafter), `ours-gguf` (the same on a GGUF model's own
+quantized blocks, for GGUF models) and `hf-bf16`, `hf-fp32` (transformers on the same converted weights,
+`do_sample=False`), all in one process with the same torch thread count. Every
 prompt decodes exactly `max_tokens` tokens (EOS ignored) so all methods do the same work. Per prompt, each
 method runs `repeats` times (interleaved: prompt -> repeat -> method); the medians are aggregated as total
 tokens / total time.
@@ -22,8 +23,11 @@ runtime.json schema (`schema_version` 1; null = not measured):
                 "chat_template": bool, "ignore_eos": true},
      "bandwidth": {"fp32_gb_s": float, "bf16_gb_s": float, "used_gb_s": float (the higher),
                    "tensor_bytes": int},
-     "weights": {"bf16_bytes": int, "fp32_bytes": int, "parameters": int, "tied_embeddings": bool},
-     "methods": {METHOD: {"dtype": "bf16"|"fp32", "engine": "specdraft"|"transformers",
+     "weights": {"bf16_bytes": int, "fp32_bytes": int, "parameters": int, "tied_embeddings": bool,
+                 "gguf_bytes": int, "gguf_layouts": {name: layout}},   # the last two for GGUF models
+     "native_kernels": {LAYOUT: {"layer": str, "shape": [out, in], "bytes": int, "ms": float, "gb_s": float,
+                                 "x_of_floor": float, "bytes_per_weight": float}} | null,
+     "methods": {METHOD: {"dtype": "bf16"|"fp32"|"gguf", "engine": "specdraft"|"transformers",
                           "decode_tokens_per_s": float, "ms_per_token": float, "prefill_tokens_per_s": float,
                           "vs_hf_bf16": float|null,    # decode tok/s / hf-bf16's decode tok/s
                           "floor_ms_per_token": float, "x_of_floor": float,  # ms_per_token / floor
@@ -165,6 +169,43 @@ def build_runtime_results(header: dict, config: dict, bandwidth: dict, weights: 
             "samples": samples}
 
 
+def _is_gguf(ref: str) -> bool:
+    from specdraft.runtime.loader import CATALOG
+
+    return ref in CATALOG or ref.endswith(".gguf")
+
+
+def native_kernel_rates(model, bandwidth_gb_s: float, repeats: int = 30) -> dict:
+    """Per GGUF-native layout: one decoding row (M = 1) through the model's largest layer of that layout,
+    median time, the bytes it reads and the fraction of the machine's bandwidth that reaches."""
+    from specdraft.runtime.gguf_native import FORMAT_NAMES, GGUFLinear
+
+    largest: dict[int, tuple[str, GGUFLinear]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GGUFLinear):
+            best = largest.get(module.fmt)
+            if best is None or module.packed.numel() > best[1].packed.numel():
+                largest[module.fmt] = (name, module)
+    rates = {}
+    for fmt, (name, layer) in sorted(largest.items()):
+        x = torch.randn(1, layer.in_features).to(torch.bfloat16)
+        for _ in range(3):
+            layer(x)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        nbytes = layer.packed.numel()
+        rates[FORMAT_NAMES[fmt]] = {
+            "layer": name, "shape": [layer.out_features, layer.in_features], "bytes": nbytes,
+            "ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9,
+            "x_of_floor": seconds / (nbytes / (bandwidth_gb_s * 1e9)),
+            "bytes_per_weight": nbytes / (layer.out_features * layer.in_features)}
+    return rates
+
+
 def render_table(results: dict) -> str:
     from specdraft.bench.report import _f, _table
 
@@ -180,8 +221,15 @@ def render_table(results: dict) -> str:
              f"weights read per token: bf16 {w['bf16_bytes'] / 1e6:.1f} MB, fp32 "
              f"{w['fp32_bytes'] / 1e6:.1f} MB ({w['parameters'] / 1e6:.1f}M parameters, tied embeddings: "
              f"{w['tied_embeddings']})", ""]
+    if "gguf_bytes" in w:
+        lines.insert(2, f"GGUF-native weights read per token: {w['gguf_bytes'] / 1e6:.1f} MB")
     lines += _table(["method", "decode tok/s", "ms/token", "vs hf-bf16", "floor ms/token", "x of floor",
                      "prefill tok/s"], rows)
+    if results.get("native_kernels"):
+        lines += ["", "GGUF-native kernels, one row through the largest layer of each layout:"]
+        lines += _table(["layout", "layer", "bytes/weight", "ms", "GB/s", "x of floor"],
+                        [[fmt, k["layer"], f"{k['bytes_per_weight']:.3f}", f"{k['ms']:.3f}", f"{k['gb_s']:.1f}",
+                          f"{k['x_of_floor']:.2f}x"] for fmt, k in results["native_kernels"].items()])
     return "\n".join(lines)
 
 
@@ -238,6 +286,15 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
                "fp32_bytes": weight_bytes_per_token(named, m.embed.weight, m.lm_head.weight, 4),
                "parameters": sum(p.numel() for _, p in named),
                "tied_embeddings": m.lm_head.weight.data_ptr() == m.embed.weight.data_ptr()}
+    native = None
+    if not args.no_gguf and _is_gguf(args.model):
+        from specdraft.runtime.gguf_native import native_bytes
+
+        native = load_model(args.model, dtype="gguf", device="cpu")
+        runners["ours-gguf"] = ours_runner(Engine(native, tokenizer, None, 0))
+        method_dtypes["ours-gguf"] = ("specdraft", "gguf")
+        weights["gguf_bytes"] = native_bytes(native)
+        weights["gguf_layouts"] = dict(native.native_report.native)
 
     print("measuring memory bandwidth (1 GiB tensors)", file=sys.stderr)
     bw_fp32 = measure_bandwidth(torch.float32)
@@ -245,6 +302,7 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
     bandwidth = {"fp32_gb_s": bw_fp32 / 1e9, "bf16_gb_s": bw_bf16 / 1e9,
                  "used_gb_s": max(bw_fp32, bw_bf16) / 1e9, "tensor_bytes": GIB}
 
+    kernels = native_kernel_rates(native, bandwidth["used_gb_s"]) if native is not None else None
     build = PromptBuilder(tokenizer)
     prompts = [build(q.turns[:1], []) for q in questions]
     for run in runners.values():  # warm-up
@@ -260,6 +318,7 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
               "repeats": args.repeats, "threads": torch.get_num_threads(), "chat_template": build.chat,
               "ignore_eos": True}
     results = build_runtime_results(header, config, bandwidth, weights, method_dtypes, samples)
+    results["native_kernels"] = kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runtime.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
@@ -280,9 +339,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out",
                    help="output directory for runtime.json (default: bench-out/)")
     p.add_argument("--no-hf", action="store_true", help="only our runtime (skip transformers)")
+    p.add_argument("--no-gguf", action="store_true",
+                   help="skip ours-gguf (a GGUF model on its own quantized blocks; run by default for GGUF models)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verify-curve", action="store_true",
                    help="instead: time one forward over M = 1..64 new tokens against one token, for each model "
-                        "in --model (comma list), with the machine's bandwidth and compute bounds; writes "
+                        "in --model (comma list; NAME@gguf: on its GGUF blocks), with the machine's bandwidth and "
+                        "compute bounds; writes "
                         "verify_curve.json and verify_curve.png")
     p.add_argument("--prefix", type=int, default=128, help="--verify-curve: committed tokens before the block")

@@ -96,11 +96,13 @@ class OurMethod:
     """One of our decoding methods: an `Engine` (plain = no drafter, K = 0)."""
 
     kind = "ours"
-    baseline = "plain"
 
-    def __init__(self, name: str, engine) -> None:
+    def __init__(self, name: str, engine, baseline: str = "plain") -> None:
+        """baseline: the plain decoding of the same weights ("plain", or "plain@gguf" for a method run on
+        the target loaded with another dtype)."""
         self.name = name
         self.engine = engine
+        self.baseline = baseline
 
     def run(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict:
         t0 = time.perf_counter()
@@ -117,14 +119,37 @@ class OurMethod:
 
 
 def parse_methods(spec: str) -> list[str]:
-    """Comma list of methods; `plain` (the speedup baseline) is always run, first."""
+    """Comma list of methods; `plain` (the speedup baseline) is always run, first, and `plain@DTYPE` (the
+    baseline of methods run on the target in another dtype) before the first method with that suffix."""
     from specdraft.errors import SpecdraftError
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if len(set(names)) != len(names):
         raise SpecdraftError(f"duplicate method in {spec!r}")
-    names = [n for n in names if n != "plain"]
-    return ["plain", *names]
+    ordered = ["plain"]
+    for name in names:
+        dtype = method_dtype(name)[1]
+        if dtype is not None and f"plain@{dtype}" not in ordered:
+            ordered.append(f"plain@{dtype}")
+        if name not in ordered:
+            ordered.append(name)
+    return ordered
+
+
+def method_dtype(name: str) -> tuple[str, str | None]:
+    """A method name may end in `@DTYPE` (`plain@gguf`, `ngram+tree8@gguf`): the method runs on the target
+    loaded with that dtype (`--dtype` otherwise); returns (name without it, dtype or None)."""
+    from specdraft.errors import SpecdraftError
+
+    base, at, dtype = name.rpartition("@")
+    if not at:
+        return name, None
+    if dtype not in DTYPES or not base:
+        raise SpecdraftError(f"method {name!r}: @ takes one of {', '.join(DTYPES)}")
+    return base, dtype
+
+
+DTYPES = ("bf16", "fp32", "gguf")
 
 
 def method_tree(name: str, default_tree: int) -> tuple[str, int]:
@@ -143,14 +168,19 @@ def method_tree(name: str, default_tree: int) -> tuple[str, int]:
 
 
 def build_our_methods(names: Sequence[str], target, tokenizer, k: int, adaptive: bool, max_len: int,
-                      tree: int = 0) -> list:
+                      tree: int = 0, targets: dict | None = None) -> list:
+    """targets: dtype -> the target loaded in it, for methods named `...@DTYPE`."""
     from specdraft.engine.core import build_engine
 
     methods = []
     for name in names:
-        drafter, size = method_tree(name, tree)
-        methods.append(OurMethod(name, build_engine(target, tokenizer, None if name == "plain" else drafter, k,
-                                                    adaptive and name != "plain", max_len, tree=size)))
+        base, dtype = method_dtype(name)
+        drafter, size = method_tree(base, tree)
+        model = target if dtype is None else targets[dtype]
+        engine = build_engine(model, tokenizer, None if drafter == "plain" else drafter, k,
+                              adaptive and drafter != "plain", max_len, tree=size)
+        baseline = "plain" if dtype is None or name == f"plain@{dtype}" else f"plain@{dtype}"
+        methods.append(OurMethod(name, engine, baseline))
     return methods
 
 
@@ -346,7 +376,8 @@ def build_results(header: dict, config: dict, questions: Sequence[Question], met
             s["identical_to_plain"] = None
             s["identical_to_baseline"] = None
             if greedy:
-                refs = [("plain", "identical_to_plain")]
+                # a method on other weights (`@DTYPE`) is lossless against its own plain decoding, not plain's
+                refs = [] if _other_weights(name) else [("plain", "identical_to_plain")]
                 if baseline[name] not in ("plain", name):
                     refs.append((baseline[name], "identical_to_baseline"))
                 for ref_name, key in refs:
@@ -400,6 +431,10 @@ def build_results(header: dict, config: dict, questions: Sequence[Question], met
         "samples": samples_out,
         "divergences": divergences,
     }
+
+
+def _other_weights(name: str) -> bool:
+    return "@" in name
 
 
 def _divergence(q: Question, group: str, ti: int, name: str, ref_name: str, rep: int, pos: int | None,
@@ -463,7 +498,13 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     target = load_model(args.model, dtype=args.dtype, progress=True)
     tokenizer = load_tokenizer(args.model)
     max_len = context_limit(target, args.max_model_len)
-    methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len, args.tree)
+    targets = {args.dtype: target}
+    for dtype in dict.fromkeys(d for d in (method_dtype(n)[1] for n in method_names) if d is not None):
+        if dtype not in targets:
+            print(f"loading {args.model} in {dtype} for the @{dtype} methods", file=sys.stderr)
+            targets[dtype] = load_model(args.model, dtype=dtype, progress=True)
+    methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len, args.tree,
+                                targets)
     notes: list[dict] = []
     peers, skipped = load_peers(peer_names, args.model, tokenizer, max_len, notes=notes)
     methods += peers
@@ -523,7 +564,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="methods draft token trees of up to N tokens (0: chains); one method can say its own "
                         "with +treeN, e.g. --methods ngram,ngram+tree16")
     p.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                   help="the target's weights: bf16, fp32, or gguf (a GGUF model's own quantization); methods "
+                        "named NAME@DTYPE run on the target in another dtype in the same run")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="bench-out", help="output directory (default: bench-out/)")

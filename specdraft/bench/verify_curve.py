@@ -6,7 +6,8 @@ of repeats, nothing committed, so every forward sees the same cache) and divides
 it: the machine's bounds for that forward, from numbers measured in the same run: reading every weight once
 at the memory bandwidth (the floor, independent of M), and 2 * parameters * M FLOPs at the peak GEMM rate
 (the best of fp32 and, where the CPU has native bf16, bf16 on a 2048-square matrix product). The bound on the ratio is
-max(floor, flops(M) / peak) / max(floor, flops(1) / peak).
+max(floor, flops(M) / peak) / max(floor, flops(1) / peak). A model given as `NAME@gguf` runs on its GGUF file's
+own quantized blocks (its floor: the quantized bytes), beside the bf16 curve of `NAME`.
 
 verify_curve.json (`schema_version` 1):
 
@@ -96,10 +97,17 @@ def run_verify_curve(args: argparse.Namespace, argv: list[str] | None = None) ->
         "models": {},
     }
     for name in models:
-        model = load_model(name, dtype="bf16", progress=False)
-        named = list(model.named_parameters())
-        weight_bytes = weight_bytes_per_token(named, model.embed.weight, model.lm_head.weight)
-        flops_per_token = 2 * (weight_bytes // 2)  # a multiply and an add per bf16 weight (attention left out)
+        ref, _, dtype = name.partition("@")
+        model = load_model(ref, dtype=dtype or "bf16", progress=False)
+        if dtype == "gguf":
+            from specdraft.runtime.gguf_native import native_bytes, native_weights
+
+            weight_bytes, weights = native_bytes(model), native_weights(model)
+        else:
+            named = list(model.named_parameters())
+            weight_bytes = weight_bytes_per_token(named, model.embed.weight, model.lm_head.weight)
+            weights = weight_bytes // model.embed.weight.element_size()
+        flops_per_token = 2 * weights  # a multiply and an add per weight (attention left out)
         vocab = model.config.vocab_size
         cache = model.new_cache(args.prefix + max(TOKENS))
         gen = torch.Generator().manual_seed(0)

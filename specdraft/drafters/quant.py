@@ -23,6 +23,10 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> Tra
         raise SpecdraftError("quant:int4/int8 use torch's CPU weight-only kernels; on GPU use self:N or a draft model")
     if not quant_supported(bits):
         raise SpecdraftError(f"this torch build lacks the int{bits} weight-only CPU kernel")
+    if getattr(target, "native_report", None) is not None:
+        raise SpecdraftError(f"quant:int{bits} quantizes a dense target; this one already runs on its GGUF "
+                             "blocks (dtype gguf), which read no more bytes than an int8/int4 copy would: draft "
+                             "with ngram, eagle or self:N, or load the target in bf16")
     with torch.device("meta"):
         draft = Transformer(target.config)
     # Shares the target's tensors (no copy); quantization below swaps in new linear modules for the draft only.

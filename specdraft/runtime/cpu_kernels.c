@@ -790,6 +790,293 @@ void sd_linear(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t 
     linear_any(x, w, NULL, bias, y, M, N, K, xf);
 }
 
+/* ---- GGUF-native linear layers: weights in their quantized blocks, multiplied as integers ---------------- */
+
+/* A GGUF file's blocks are repacked once at load time (gguf_native.py) into three layouts, each a row of
+ * K / E blocks per output feature, holding the file's exact values (scales as fp32, which every GGUF scale
+ * and sub-scale product is exactly):
+ *   SD_W_Q4  (Q4_0, Q4_1, Q4_K):  E = 32, 20 bytes: fp32 scale s, 16 bytes of nibbles (byte t holds q[t] low,
+ *                                 q[t + 16] high); the row's fp32 offsets m after its blocks; w = s * q + m,
+ *                                 q in 0..15.
+ *   SD_W_Q8  (Q8_0, Q5_0):        E = 32, 36 bytes: fp32 scale s, 32 int8; w = s * q.
+ *   SD_W_Q8H (Q6_K):              E = 16, 20 bytes: fp32 scale s, 16 int8; w = s * q.
+ *
+ * Activations enter as 16-bit integers with one power-of-two scale per block of E: a = 2^e * X. With bf16
+ * inputs (8 significant bits) X is exact for every element within a factor 2^7 of its block's largest, and
+ * off by at most 2^-15 of that largest otherwise: far below the bf16 rounding of the layer's output. Then
+ * sum_i q_i X_i is exact in int32 (vpmaddwd: 16 products in one instruction, half the work of widening the
+ * weights to fp32), and
+ *     y[m, n] = sum_b s_b * (2^e_b * sum_i q_i X_i) + m_b * (2^e_b * sum_i X_i)
+ * in fp32: each (weight row, input row) pair keeps one 8-lane accumulator updated block by block in k order,
+ * and the offset terms are one dot product over the row's blocks in a fixed order, so a row's bits do not
+ * depend on the tile or on the number of rows. */
+enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3 };
+
+static inline int64_t q_block_elems(int fmt) { return fmt == SD_W_Q8H ? 16 : 32; }
+/* Bytes of one block in the row's block area (SD_W_Q4 keeps its offsets apart, after the blocks). */
+static inline int64_t q_block_bytes(int fmt) { return fmt == SD_W_Q4 ? 20 : fmt == SD_W_Q8 ? 36 : 20; }
+static inline int64_t q_row_bytes(int fmt, int64_t K) {
+    return K / q_block_elems(fmt) * (q_block_bytes(fmt) + (fmt == SD_W_Q4 ? 4 : 0));
+}
+
+int sd_q_block_elems(int fmt) { return (int)q_block_elems(fmt); }
+int64_t sd_q_row_bytes(int fmt, int64_t K) { return q_row_bytes(fmt, K); }
+
+#define QNB_DECODE 4 /* weight rows per tile for one input row */
+int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefetched from */
+#define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
+
+/* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
+ * X int16 [M, K]; scale [M, K / E] (2^e of each block); offset_in [M, K / E] (SD_W_Q4 only: 2^e * sum X of
+ * each block, what the block's offset multiplies). */
+typedef struct {
+    int16_t *X;
+    float *scale, *offset_in;
+} q_input;
+
+static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K / 2 + M * K / 16 + M * K / 32 + 16; }
+
+static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
+    q_input in = {(int16_t *)scratch, scratch + M * K / 2 + 8, NULL};
+    in.offset_in = in.scale + M * K / 16 + 8;
+    return in;
+}
+
+/* Block by block of E: the largest exponent e_max of |x| (bf16 bits), X = rint(x * 2^(141 - e_max)) (so the
+ * largest magnitudes land in [2^14, 2^15)), scale 2^(e_max - 141). Blocks whose largest is below 2^-112 (or
+ * zero) become zeros. One thread; the arithmetic is exact except for rint. */
+static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
+#pragma omp single
+    {
+        const int64_t E = q_block_elems(fmt), blocks = M * K / E;
+        for (int64_t b = 0; b < blocks; b++) {
+            const bf16 *xb = x + b * E;
+            int e_max = 0;
+            for (int64_t i = 0; i < E; i++) {
+                const int e = (xb[i] >> 7) & 0xFF;
+                e_max = e > e_max ? e : e_max;
+            }
+            int32_t total = 0;
+            float scale = 0.0f;
+            if (e_max >= 15 && e_max < 255) {
+                uint32_t up_bits = (uint32_t)(141 - e_max + 127) << 23, down_bits = (uint32_t)(e_max - 141 + 127) << 23;
+                float up, down;
+                memcpy(&up, &up_bits, 4);
+                memcpy(&down, &down_bits, 4);
+                scale = down;
+                for (int64_t i = 0; i < E; i++) {
+                    const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
+                    in.X[b * E + i] = (int16_t)v;
+                    total += v;
+                }
+            } else {
+                for (int64_t i = 0; i < E; i++) in.X[b * E + i] = 0;
+            }
+            in.scale[b] = scale;
+            if (fmt == SD_W_Q4) in.offset_in[b] = scale * (float)total;
+        }
+    }
+}
+
+/* Input rows of the chunk starting at row m: ceil(M / QMB_MAX) chunks of near-equal size. */
+static inline int q_chunk(int64_t M, int64_t m) {
+    const int64_t chunks = (M + QMB_MAX - 1) / QMB_MAX, base = M / chunks, extra = M % chunks;
+    return (int)(m < extra * (base + 1) ? base + 1 : base);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float q_sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* sum_b m[b] * o[b] in a fixed order: 8 lanes over blocks, then the tail in order. */
+static inline float q_offset_dot(const float *m, const float *o, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(o + b), acc);
+    float sum = q_sum8(acc);
+    for (; b < n; b++) sum = fmaf(m[b], o[b], sum);
+    return sum;
+}
+
+/* A block's integers as 16-bit lanes: q[0] = elements 0-15, q[1] = 16-31 (SD_W_Q8H: q[0] only). */
+static inline __attribute__((always_inline)) void q_decode(int fmt, const uint8_t *blk, __m256i *q) {
+    if (fmt == SD_W_Q4) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        q[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+        q[1] = _mm256_srli_epi16(bytes, 4);
+    } else {
+        q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        if (fmt == SD_W_Q8) q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 20)));
+    }
+}
+
+/* nb weight rows (stride row_bytes) x mb input rows into res[i * mb + j]. */
+static inline __attribute__((always_inline)) void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input in,
+                                                         int64_t K, int nb, int mb, float *res) {
+    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
+    __m256 acc[QNB_DECODE][QMB_MAX];
+#pragma GCC unroll 8
+    for (int i = 0; i < nb; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+#pragma GCC unroll 4
+        for (int i = 0; i < nb; i++) {
+            const uint8_t *blk = w + i * row_bytes + b * BB;
+            _mm_prefetch((const char *)(blk + sd_q_prefetch * row_bytes), _MM_HINT_T0);
+            __m256i q[2];
+            q_decode(fmt, blk, q);
+            const __m256 sv = _mm256_broadcast_ss((const float *)blk);
+#pragma GCC unroll 8
+            for (int j = 0; j < mb; j++) {
+                const int16_t *xb = in.X + j * K + b * E;
+                __m256i dot = _mm256_madd_epi16(q[0], _mm256_loadu_si256((const __m256i *)xb));
+                if (fmt != SD_W_Q8H)
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(q[1], _mm256_loadu_si256((const __m256i *)(xb + 16))));
+                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(in.scale + j * nblk + b));
+                acc[i][j] = _mm256_fmadd_ps(sv, t, acc[i][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < nb; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < mb; j++) res[i * mb + j] = q_sum8(acc[i][j]);
+    if (fmt == SD_W_Q4)
+        for (int i = 0; i < nb; i++)
+            for (int j = 0; j < mb; j++)
+                res[i * mb + j] += q_offset_dot((const float *)(w + i * row_bytes + nblk * BB),
+                                                in.offset_in + j * nblk, nblk);
+}
+#else
+/* Portable C: the same integers, lanes and order of operations as the AVX2 path. */
+static inline void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input in, int64_t K, int nb, int mb,
+                          float *res) {
+    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float acc[8] = {0};
+            for (int64_t b = 0; b < nblk; b++) {
+                const uint8_t *blk = w + i * row_bytes + b * BB;
+                const int16_t *xb = in.X + j * K + b * E;
+                float s;
+                memcpy(&s, blk, 4);
+                int32_t dot[8] = {0};
+                for (int64_t e = 0; e < E; e++) {
+                    const int32_t q = fmt == SD_W_Q4 ? (e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4)
+                                                     : ((const int8_t *)blk)[4 + e];
+                    dot[(e % 16) / 2] += q * xb[e];
+                }
+                const float xs = in.scale[j * nblk + b];
+                for (int l = 0; l < 8; l++) acc[l] = fmaf(s, (float)dot[l] * xs, acc[l]);
+            }
+            float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            if (fmt == SD_W_Q4) {
+                const float *m = (const float *)(w + i * row_bytes + nblk * BB), *o = in.offset_in + j * nblk;
+                for (int64_t b = 0; b < nblk; b++) sum = fmaf(m[b], o[b], sum);
+            }
+            res[i * mb + j] = sum;
+        }
+}
+#endif
+
+#define Q_TILE_CASE(FMT)                                                                               \
+    switch (nb * 16 + mb) {                                                                            \
+        case 16 + 1: q_tile(FMT, wrow, row_bytes, in, K, 1, 1, res); break;                           \
+        case 16 + 2: q_tile(FMT, wrow, row_bytes, in, K, 1, 2, res); break;                           \
+        case 16 + 3: q_tile(FMT, wrow, row_bytes, in, K, 1, 3, res); break;                           \
+        case 16 + 4: q_tile(FMT, wrow, row_bytes, in, K, 1, 4, res); break;                           \
+        case 16 + 5: q_tile(FMT, wrow, row_bytes, in, K, 1, 5, res); break;                           \
+        case 16 + 6: q_tile(FMT, wrow, row_bytes, in, K, 1, 6, res); break;                           \
+        case 16 + 7: q_tile(FMT, wrow, row_bytes, in, K, 1, 7, res); break;                           \
+        case 16 + 8: q_tile(FMT, wrow, row_bytes, in, K, 1, 8, res); break;                           \
+        case 32 + 1: q_tile(FMT, wrow, row_bytes, in, K, 2, 1, res); break;                           \
+        case 48 + 1: q_tile(FMT, wrow, row_bytes, in, K, 3, 1, res); break;                           \
+        case 64 + 1: q_tile(FMT, wrow, row_bytes, in, K, 4, 1, res); break;                           \
+        default: abort(); /* linear_q_for makes no other shape */                                      \
+    }
+
+/* Work-shared over blocks of 16 output features, inside a parallel region, on q_quantize_input's `all`. */
+static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                         int64_t K) {
+    const int64_t row_bytes = q_row_bytes(fmt, K), block = 16;
+    const int64_t nblocks = (N + block - 1) / block, nblk = K / q_block_elems(fmt);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
+        for (int64_t n = blk * block; n < n_end;) {
+            const int nb = M > 1 ? 1 : n_end - n < QNB_DECODE ? (int)(n_end - n) : QNB_DECODE;
+            const uint8_t *wrow = w + n * row_bytes;
+            for (int64_t m = 0; m < M;) {
+                const int mb = M == 1 ? 1 : q_chunk(M, m);
+                const q_input in = {all.X + m * K, all.scale + m * nblk,
+                                    fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+                float res[QNB_DECODE * QMB_MAX];
+                if (fmt == SD_W_Q4) {
+                    Q_TILE_CASE(SD_W_Q4)
+                } else if (fmt == SD_W_Q8) {
+                    Q_TILE_CASE(SD_W_Q8)
+                } else {
+                    Q_TILE_CASE(SD_W_Q8H)
+                }
+                for (int i = 0; i < nb; i++)
+                    for (int j = 0; j < mb; j++) {
+                        float v = res[i * mb + j];
+                        if (bias) v += bf2f(bias[n + i]);
+                        y[(m + j) * N + n + i] = f2bf(v);
+                    }
+                m += mb;
+            }
+            n += nb;
+        }
+    }
+}
+
+/* A GGUF-native linear layer inside a parallel region; scratch: q_scratch_floats(M, K) floats. */
+static void linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                     int64_t K, float *scratch) {
+    const q_input in = q_input_at(scratch, M, K);
+    q_quantize_input(x, M, K, fmt, in);
+    linear_q_for(in, w, fmt, bias, y, M, N, K);
+}
+
+int64_t sd_q_scratch_floats(int64_t M, int64_t K) { return q_scratch_floats(M, K); }
+
+/* The fp32 weights [N, K] of a GGUF-native matrix, computed as the reference dequantization does (s * q, then
+ * + m: two roundings, no FMA): prompt-sized blocks multiply them with a GEMM. */
+void sd_dequant_q(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int threads) {
+    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E, row_bytes = q_row_bytes(fmt, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float *o = out + n * K;
+        for (int64_t b = 0; b < nblk; b++) {
+            const uint8_t *blk = row + b * BB;
+            float s, m = 0.0f;
+            memcpy(&s, blk, 4);
+            if (fmt == SD_W_Q4) {
+                memcpy(&m, row + nblk * BB + b * 4, 4);
+                for (int e = 0; e < 16; e++) {
+                    const float lo = s * (float)(blk[4 + e] & 0x0F), hi = s * (float)(blk[4 + e] >> 4);
+                    o[b * E + e] = lo + m;
+                    o[b * E + e + 16] = hi + m;
+                }
+            } else {
+                for (int64_t e = 0; e < E; e++) o[b * E + e] = s * (float)((const int8_t *)blk)[4 + e];
+            }
+        }
+    }
+}
+
+void sd_linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                 int64_t K, float *scratch, int threads) {
+#pragma omp parallel num_threads(threads) if (N * K > 32768)
+    linear_q(x, w, fmt, bias, y, M, N, K, scratch);
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
 
 /* Llama style rounds the normalized row to bf16 before scaling by w; Gemma style scales by (1 + w) in fp32:
@@ -1123,7 +1410,18 @@ typedef struct {
     const void *wqkv, *wo, *w_gate_up, *w_down;                  /* bf16, or int8 when the scale is set */
     const bf16 *wqkv_scale, *wo_scale, *w_gate_up_scale, *w_down_scale;  /* per output feature, or NULL */
     int64_t sliding;
+    int64_t wqkv_fmt, wo_fmt, w_gate_up_fmt, w_down_fmt; /* SD_W_DENSE, or the GGUF-native layout */
 } sd_layer;
+
+/* One linear layer of the forward: dense (bf16 / int8) or GGUF-native weights. */
+static void layer_linear(const bf16 *x, const void *w, const bf16 *scale, int64_t fmt, const bf16 *bias, bf16 *y,
+                         int64_t M, int64_t N, int64_t K, float *xf, float *qbuf) {
+    if (fmt == SD_W_DENSE) {
+        linear_any(x, w, scale, bias, y, M, N, K, xf);
+        return;
+    }
+    linear_q(x, (const uint8_t *)w, (int)fmt, bias, y, M, N, K, qbuf);
+}
 
 typedef struct {
     int64_t dim, heads, kv_heads, head_dim, inter, max_len;
@@ -1152,7 +1450,9 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     const int64_t widest = max64(max64(qkv_width, 2 * I), dim);
     const int64_t per_thread = key_len + 3 * D + 3 * dim;
     bf16 *buf = malloc((size_t)rows * (size_t)(widest + 2 * H * D + I + dim) * sizeof(bf16));
-    float *fbuf = malloc((size_t)(per_thread * threads + rows * max64(widest, I)) * sizeof(float));
+    /* xf: a dense linear layer's input widened to fp32; qbuf: a GGUF-native layer's input as integers */
+    const int64_t qfloats = q_scratch_floats(rows, max64(widest, I));
+    float *fbuf = malloc((size_t)(per_thread * threads + rows * max64(widest, I) + qfloats) * sizeof(float));
     if (!buf || !fbuf) {
         free(buf);
         free(fbuf);
@@ -1160,7 +1460,7 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     }
     bf16 *wide = buf, *q = wide + rows * widest, *att = q + rows * H * D, *act = att + rows * H * D;
     bf16 *h = act + rows * I;
-    float *xf = fbuf + per_thread * threads;
+    float *xf = fbuf + per_thread * threads, *qbuf = xf + rows * max64(widest, I);
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
@@ -1176,7 +1476,8 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
             const float *cs = L->sliding ? cos_sliding : cos_full, *sn = L->sliding ? sin_sliding : sin_full;
             const bf16 *next_norm = l + 1 < num_layers ? layers[l + 1].attn_norm : mdl->final_norm;
 
-            linear_any(normed, L->wqkv, L->wqkv_scale, L->bqkv, wide, rows, qkv_width, dim, xf);
+            layer_linear(normed, L->wqkv, L->wqkv_scale, L->wqkv_fmt, L->bqkv, wide, rows, qkv_width, dim, xf,
+                         qbuf);
 #pragma omp single
             rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
                        v_caches[l], rows, H, Hkv, D, mdl->max_len, q, scratch);
@@ -1188,12 +1489,13 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
 #endif
             attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
-            linear_any(att, L->wo, L->wo_scale, NULL, h, rows, dim, H * D, xf);
+            layer_linear(att, L->wo, L->wo_scale, L->wo_fmt, NULL, h, rows, dim, H * D, xf, qbuf);
 #pragma omp single
             add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
-            linear_any(normed, L->w_gate_up, L->w_gate_up_scale, NULL, wide, rows, 2 * I, dim, xf);
+            layer_linear(normed, L->w_gate_up, L->w_gate_up_scale, L->w_gate_up_fmt, NULL, wide, rows, 2 * I, dim, xf,
+                         qbuf);
             act_mul_for(wide, act, rows, I, mdl->gelu);
-            linear_any(act, L->w_down, L->w_down_scale, NULL, h, rows, dim, I, xf);
+            layer_linear(act, L->w_down, L->w_down_scale, L->w_down_fmt, NULL, h, rows, dim, I, xf, qbuf);
 #pragma omp single
             {
                 add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);

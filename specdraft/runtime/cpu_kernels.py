@@ -79,12 +79,17 @@ def _build(target: Path) -> None:
 
 class LayerPointers(ctypes.Structure):
     """Mirror of `sd_layer` in cpu_kernels.c: one layer's weights (None where absent). A linear layer's
-    weight is bf16 [out, in], or int8 with one bf16 scale per output feature (`*_scale` set)."""
+    weight is bf16 [out, in], int8 with one bf16 scale per output feature (`*_scale` set), or GGUF-native
+    blocks (`*_fmt` one of the Q_* layouts)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attn_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm",
         "wqkv", "wo", "w_gate_up", "w_down", "wqkv_scale", "wo_scale", "w_gate_up_scale", "w_down_scale",
-    )] + [("sliding", ctypes.c_int64)]
+    )] + [(name, ctypes.c_int64) for name in ("sliding", "wqkv_fmt", "wo_fmt", "w_gate_up_fmt", "w_down_fmt")]
+
+
+# GGUF-native weight layouts of cpu_kernels.c (SD_W_*); gguf_native.py packs them.
+DENSE, Q4, Q8, Q8H = 0, 1, 2, 3
 
 
 class ModelShape(ctypes.Structure):
@@ -101,6 +106,11 @@ _SIGNATURES = {
     "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
+    "sd_linear_q": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "sd_q_scratch_floats": ([_I, _I], _I),
+    "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
+    "sd_q_block_elems": ([ctypes.c_int], ctypes.c_int),
+    "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
     "sd_simd_level": ([], ctypes.c_int),
@@ -167,6 +177,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, thr
     scratch = None if k_multiple() == 32 else torch.empty(M * K, dtype=torch.float32)
     _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
     return y
+
+
+def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None, out_features: int,
+             threads: int) -> torch.Tensor:
+    """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`)^T + bias, bf16 out:
+    the file's exact weights, activations as 16-bit integers per block (see cpu_kernels.c); each row's bits
+    independent of M."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, out_features, dtype=torch.bfloat16)
+    scratch = torch.empty(_lib.sd_q_scratch_floats(M, K), dtype=torch.float32)
+    _lib.sd_linear_q(x.data_ptr(), packed.data_ptr(), fmt, _ptr(bias), y.data_ptr(), M, out_features, K,
+                     scratch.data_ptr(), threads)
+    return y
+
+
+def dequant_q(packed: torch.Tensor, fmt: int, in_features: int, threads: int) -> torch.Tensor:
+    """The fp32 weights [N, K] of a GGUF-native matrix (the reference dequantization's values)."""
+    out = torch.empty(packed.shape[0], in_features, dtype=torch.float32)
+    _lib.sd_dequant_q(packed.data_ptr(), fmt, packed.shape[0], in_features, out.data_ptr(), threads)
+    return out
+
+
+def q_row_bytes(fmt: int, in_features: int) -> int:
+    """Bytes of one output feature's row in GGUF-native layout `fmt`, as the kernels read it."""
+    return _lib.sd_q_row_bytes(fmt, in_features)
 
 
 SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16", "amx")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specdraft.runtime import cpu_kernels
+from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.quant import Int8Linear
 
@@ -71,8 +72,8 @@ class FusedCPUBackend:
         do not read). Rebuilt when the parameters or linear modules are replaced (`.to()`, quantization); the
         cached entry keeps the tensors it points into alive."""
         cached = self._weights
-        if cached is None or cached[0] is not model.embed.weight or cached[1] is not model.layers[0].attn.wqkv:
-            cached = self._weights = (model.embed.weight, model.layers[0].attn.wqkv, *_build_weight_table(model))
+        if cached is None or cached[0] is not model.norm.weight or cached[1] is not model.layers[0].attn.wqkv:
+            cached = self._weights = (model.norm.weight, model.layers[0].attn.wqkv, *_build_weight_table(model))
         return cached[3]
 
     def _cache_table(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
@@ -110,9 +111,10 @@ def _build_weight_table(model: nn.Module) -> tuple[list, tuple[ctypes.Array, cpu
         entry.post_attn_norm, entry.post_mlp_norm = norm(layer.post_attn_norm), norm(layer.post_mlp_norm)
         entry.q_norm, entry.k_norm = norm(attn.q_norm), norm(attn.k_norm)
         entry.bqkv = ptr(attn.wqkv.bias)
-        for name, (weight, scale) in zip(("wqkv", "wo", "w_gate_up", "w_down"), weights[i]):
+        for name, (weight, scale, fmt) in zip(("wqkv", "wo", "w_gate_up", "w_down"), weights[i]):
             setattr(entry, name, ptr(weight))
             setattr(entry, f"{name}_scale", ptr(scale))
+            setattr(entry, f"{name}_fmt", fmt)
         entry.sliding = int(cfg.layer_types[i] == "sliding")
     first = model.layers[0]
     shape = cpu_kernels.ModelShape(
@@ -123,15 +125,17 @@ def _build_weight_table(model: nn.Module) -> tuple[list, tuple[ctypes.Array, cpu
     return keep, (layers, shape)
 
 
-def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, per-output scale or None) of a linear layer in a layout the C kernels read: a bf16 nn.Linear
-    (the model's own), or an int8 weight-only layer (the quant:int8 draft) with unpadded input; None for
-    anything else."""
+def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """(weight, per-output scale or None, layout) of a linear layer in a layout the C kernels read: a bf16
+    nn.Linear (the model's own), an int8 weight-only layer (the quant:int8 draft) with unpadded input, or a
+    GGUF-native layer; None for anything else."""
     if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
-        return module.weight, None
+        return module.weight, None, cpu_kernels.DENSE
     if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
             and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
-        return module.weight_int8, module.scales
+        return module.weight_int8, module.scales, cpu_kernels.DENSE
+    if isinstance(module, GGUFLinear) and module.packed.is_contiguous():
+        return module.packed, None, module.fmt
     return None
 
 

@@ -9,7 +9,8 @@ Numerics: activations run in the weights' dtype (bf16 by default on CPU), norms,
 fp32. Every token's result must not depend on how many tokens share the forward pass, so that speculative
 output equals plain decoding bit for bit in bf16, not just up to near-ties. Two paths give that on CPU:
 - bf16 blocks of up to SMALL_BATCH_ROWS tokens run all layers in one call into the fused C kernels
-  (fused.py, cpu_kernels.c), which compute each row with the same operations whatever the row count;
+  (fused.py, cpu_kernels.c), which compute each row with the same operations whatever the row count; a
+  GGUF-native model (gguf_native.py: linear layers and embedding on the file's quantized blocks) too;
 - otherwise (no compiler, fp32, GPU) the PyTorch modules below, whose attention is two matmuls over a key
   range padded to KEY_BLOCK.
 Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
@@ -29,6 +30,7 @@ from torch import nn
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.fused import SMALL_BATCH_ROWS, FusedCPUBackend
+from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 
 
@@ -260,6 +262,7 @@ class Transformer(nn.Module):
         self.init_rope_tables(torch.get_default_device())
         self.requires_grad_(False)
         self.fused = FusedCPUBackend()  # the C kernels' view of this model (weight tables, thread governor)
+        self.native_report = None  # GGUF-native weights: what stayed quantized (gguf_native.attach_native)
 
     def init_rope_tables(self, device: torch.device | str) -> None:
         """(Re)compute the RoPE inverse frequencies in fp32 on `device`: at construction, after a load onto
@@ -277,11 +280,12 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (the final norm's: GGUF-native models hold no dense embedding)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, max_len: int, num_slots: int = 1) -> KVCache:
         cfg = self.config
@@ -374,7 +378,7 @@ class Transformer(nn.Module):
         """Logits of every row; exact_rows: each with the bits it gets alone, whatever the batch size."""
         # The quantized drafts swap in their own head modules (row-invariant by their own kernels).
         head = self.lm_head
-        logits = head(hidden, exact_rows=exact_rows) if isinstance(head, Linear) else head(hidden)
+        logits = head(hidden, exact_rows=exact_rows) if isinstance(head, (Linear, GGUFLinear)) else head(hidden)
         if self.config.final_logit_softcapping:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

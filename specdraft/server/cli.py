@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from specdraft.config import arg_int_in
+from specdraft.config import DTYPE_HELP, arg_int_in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=arg_int_in(1, 256), default=8,
                         help="requests generating at once (one KV-cache slot each); others wait")
     parser.add_argument("--max-model-len", type=arg_int_in(2), default=4096)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

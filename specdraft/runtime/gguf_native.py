@@ -1,0 +1,407 @@
+"""GGUF models in their own quantization (`dtype="gguf"`): linear layers and the embedding keep the file's
+quantized blocks and the C kernels dequantize them in registers.
+
+Why: both bundled models ship as 4-bit GGUF files. Expanded to bf16, every decoded token reads 2-3x the bytes
+the file holds (SmolLM2-135M: 270 MB against 96 MB), and decoding is bound by those bytes.
+
+Exactness: the weights computed with are the file's own values. Each GGUF block is a scale (and for some types
+an offset) times small integers; every GGUF scale, and every product of a super-block scale and its 6- or
+8-bit sub-scale, is exact in fp32. So a block is repacked once into one of three layouts of cpu_kernels.c
+(`Q4`: fp32 scale + 32 nibbles, the row's fp32 offsets after its blocks; `Q8`: fp32 scale + 32 int8; `Q8H`:
+fp32 scale + 16 int8) with
+integers recovered from gguf-py's reference dequantization and checked: scale * q (+ offset), computed in
+fp32 as the reference does, must reproduce every dequantized weight bit for bit, or the tensor stays dense.
+
+Types: Q4_0, Q4_1, Q4_K -> Q4; Q8_0, Q5_0 -> Q8; Q6_K -> Q8H. Any other type (and a fused qkv or gate/up whose
+parts land in different layouts) keeps the bf16 weights of the dense path, with a note in `native_report`.
+Rows are matched to the converted checkpoint's (transformers reorders the q/k rows of Llama-family files), so
+a native model computes the same function as the dense one up to the weights' bf16 rounding.
+
+The repacked tensors are cached next to the converted checkpoint (`native-v2.safetensors`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.errors import ModelLoadError
+from specdraft.runtime import cpu_kernels
+from specdraft.runtime.cpu_kernels import Q4, Q8, Q8H
+
+FORMAT_NAMES = {Q4: "q4", Q8: "q8", Q8H: "q8h"}
+BLOCK_ELEMS = {Q4: 32, Q8: 32, Q8H: 16}
+BLOCK_BYTES = {Q4: 24, Q8: 36, Q8H: 20}
+CACHE_NAME = "native-v2.safetensors"
+
+
+def _ggml_layouts() -> dict:
+    from gguf import GGMLQuantizationType as T
+
+    return {T.Q4_0: Q4, T.Q4_1: Q4, T.Q4_K: Q4, T.Q8_0: Q8, T.Q5_0: Q8, T.Q6_K: Q8H}
+
+
+# ---- repacking ---------------------------------------------------------------------------------------------
+
+
+def _half(raw: np.ndarray, start: int) -> np.ndarray:
+    """fp16 at byte `start` of every block of raw [..., block_bytes], as fp32."""
+    return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of Q4_K super-blocks from their 12 packed bytes (ggml's
+    get_scale_min_k4), as int arrays [..., 8]."""
+    q = scales.astype(np.int32)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def block_scales(raw: np.ndarray, qtype, in_features: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-block fp32 scale and offset (None: w = scale * q) of a GGUF tensor raw [N, row bytes], one per
+    BLOCK_ELEMS weights of the layout the type repacks into."""
+    from gguf import GGMLQuantizationType as T
+
+    N = raw.shape[0]
+    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0):
+        size = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q5_0: 22}[qtype]
+        blocks = raw.reshape(N, in_features // 32, size)
+        d = _half(blocks, 0)
+        if qtype == T.Q4_0:
+            return d, np.float32(-8.0) * d
+        if qtype == T.Q4_1:
+            return d, _half(blocks, 2)
+        return d, None
+    if qtype == T.Q4_K:
+        blocks = raw.reshape(N, in_features // 256, 144)
+        d, dmin = _half(blocks, 0), _half(blocks, 2)
+        sc, mn = _q4k_scale_min(blocks[..., 4:16])
+        scale = d[..., None] * sc.astype(np.float32)
+        offset = -(dmin[..., None] * mn.astype(np.float32))
+        return scale.reshape(N, -1), offset.reshape(N, -1)
+    if qtype == T.Q6_K:
+        blocks = raw.reshape(N, in_features // 256, 210)
+        d = _half(blocks, 208)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        return (d[..., None] * sc).reshape(N, -1), None
+    raise ValueError(f"no native layout for {qtype!r}")
+
+
+def repack(raw: np.ndarray, qtype, in_features: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(layout, packed uint8 [N, row bytes], reference fp32 weights [N, K]) of one GGUF tensor.
+
+    Raises ValueError where the layout cannot hold the file's values exactly."""
+    from gguf import quants
+
+    fmt = _ggml_layouts()[qtype]
+    E = BLOCK_ELEMS[fmt]
+    N = raw.shape[0]
+    if in_features % E:
+        raise ValueError(f"{in_features} input features are not a multiple of {E}")
+    weights = quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(N, in_features)
+    scale, offset = block_scales(raw, qtype, in_features)
+    w = weights.reshape(N, -1, E)
+    s = scale[..., None]
+    shifted = w if offset is None else w - offset[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s != 0, np.rint(shifted / s), 0.0)
+    lo, hi = (0, 15) if fmt == Q4 else (-128, 127)
+    if q.min(initial=0) < lo or q.max(initial=0) > hi:
+        raise ValueError(f"integers outside {lo}..{hi}")
+    q = q.astype(np.float32)
+    rebuilt = s * q if offset is None else s * q + offset[..., None]
+    if not np.array_equal(rebuilt, w):
+        bad = int((rebuilt != w).sum())
+        raise ValueError(f"{bad} weights are not scale * q{'' if offset is None else ' + offset'} in fp32")
+    head = scale.astype(np.float32)[..., None].view(np.uint8)
+    if fmt == Q4:
+        qi = q.astype(np.uint8)
+        nibbles = qi[..., :16] | (qi[..., 16:] << 4)
+        blocks = np.concatenate([head, nibbles], axis=-1).reshape(N, -1)
+        packed = np.concatenate([blocks, offset.astype(np.float32).view(np.uint8).reshape(N, -1)], axis=-1)
+    else:
+        packed = np.concatenate([head, q.astype(np.int8).view(np.uint8)], axis=-1).reshape(N, -1)
+    assert packed.shape[1] == in_features // E * BLOCK_BYTES[fmt]
+    return fmt, np.ascontiguousarray(packed), weights
+
+
+def row_order(native: np.ndarray, reference: np.ndarray) -> np.ndarray | None:
+    """Indices p with native[p] == reference row for row (bit for bit), or None if the rows do not match."""
+    if native.shape != reference.shape:
+        return None
+    if np.array_equal(native, reference):
+        return np.arange(native.shape[0])
+    where: dict[bytes, list[int]] = {}
+    for i, row in enumerate(native):
+        where.setdefault(row.tobytes(), []).append(i)
+    order = []
+    for row in reference:
+        hits = where.get(row.tobytes())
+        if not hits:
+            return None
+        order.append(hits.pop() if len(hits) > 1 else hits[0])
+    return np.asarray(order)
+
+
+def dequantize(packed: torch.Tensor, fmt: int, in_features: int) -> torch.Tensor:
+    """fp32 weights [R, K] of packed rows [R, row bytes], with the same fp32 operations as the reference."""
+    E, size = BLOCK_ELEMS[fmt], BLOCK_BYTES[fmt]
+    rows, nblk = packed.shape[0], in_features // E
+    if fmt == Q4:
+        blocks = packed[:, :nblk * 20].reshape(rows, nblk, 20)
+        scale = blocks[..., 0:4].contiguous().view(torch.float32)
+        offset = packed[:, nblk * 20:].contiguous().view(torch.float32).reshape(rows, nblk, 1)
+        nibbles = blocks[..., 4:20]
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        w = scale * q + offset
+    else:
+        blocks = packed.reshape(rows, nblk, size)
+        scale = blocks[..., 0:4].contiguous().view(torch.float32)
+        w = scale * blocks[..., 4:].contiguous().view(torch.int8).float()
+    return w.reshape(rows, in_features)
+
+
+# ---- modules ------------------------------------------------------------------------------------------------
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer on GGUF-native weights: `packed` uint8 [out, row bytes] in layout `fmt`.
+
+    The C kernel computes every row with the same operations whatever the number of rows (so verification
+    gives each token its decoding bits, as the bf16 kernels do), prefill blocks included. Without the
+    kernels it dequantizes and runs an fp32 matmul (correct, slow)."""
+
+    def __init__(self, packed: torch.Tensor, fmt: int, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        row_bytes = in_features // BLOCK_ELEMS[fmt] * BLOCK_BYTES[fmt]
+        if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, row_bytes)
+                or in_features % BLOCK_ELEMS[fmt]):
+            raise ValueError(f"packed weights {tuple(packed.shape)} {packed.dtype} do not hold {out_features} x "
+                             f"{in_features} weights in layout {FORMAT_NAMES.get(fmt, fmt)}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor, exact_rows: bool = False) -> torch.Tensor:
+        """Without exact_rows, a prompt-sized block (more than SMALL_BATCH_ROWS rows, never compared bit for
+        bit with decoding) runs as an fp32 GEMM on the dequantized weights: about twice as fast as the
+        integer kernel there, whose strength is the few rows of decoding and verification (as `Linear`)."""
+        from specdraft.runtime.fused import SMALL_BATCH_ROWS
+
+        rows = x.numel() // x.shape[-1]
+        if rows > SMALL_BATCH_ROWS and not exact_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
+        if x.device.type == "cpu" and rows and cpu_kernels.available():
+            flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
+            y = cpu_kernels.linear_q(flat, self.packed, self.fmt, self.bias, self.out_features,
+                                     torch.get_num_threads())
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weights [out, in] (the C kernel where built: ~10x faster than the torch ops)."""
+        if cpu_kernels.available():
+            return cpu_kernels.dequant_q(self.packed, self.fmt, self.in_features, torch.get_num_threads())
+        return dequantize(self.packed, self.fmt, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weights in bf16 (dequantized on every access: for code that reads a dense matrix once, such as
+        training a head on the target's LM head rows)."""
+        return self.dequantize().to(torch.bfloat16)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={FORMAT_NAMES[self.fmt]}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings on GGUF-native rows: a lookup dequantizes only the rows it reads (to bf16, the bits
+    the bf16 model's table holds). Shares `packed` with a tied LM head."""
+
+    def __init__(self, packed: torch.Tensor, fmt: int, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, num_embeddings, embedding_dim
+        self.register_buffer("packed", packed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.packed[tokens.reshape(-1)], self.fmt, self.embedding_dim)
+        return rows.to(torch.bfloat16).reshape(*tokens.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in bf16 (dequantized on every access)."""
+        return dequantize(self.packed, self.fmt, self.embedding_dim).to(torch.bfloat16)
+
+
+# ---- attaching native weights to a model ----------------------------------------------------------------------
+
+
+@dataclass
+class NativeReport:
+    """What a native load kept quantized (ours name -> layout) and what stayed dense (name -> why)."""
+
+    native: dict[str, str] = field(default_factory=dict)
+    dense: dict[str, str] = field(default_factory=dict)
+
+    def bytes_note(self) -> str:
+        return f"{len(self.native)} native, {len(self.dense)} dense"
+
+
+def _gguf_parts(cfg) -> dict[str, list[tuple[str, str]]]:
+    """Our linear name -> [(GGUF tensor, Hugging Face tensor)] of its parts, concatenated along rows."""
+    parts: dict[str, list[tuple[str, str]]] = {"embed": [("token_embd.weight", "model.embed_tokens.weight")]}
+    if not cfg.tie_word_embeddings:
+        parts["lm_head"] = [("output.weight", "lm_head.weight")]
+    for i in range(cfg.num_layers):
+        g, h = f"blk.{i}.", f"model.layers.{i}."
+        parts[f"layers.{i}.attn.wqkv"] = [(g + f"attn_{n}.weight", h + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        parts[f"layers.{i}.attn.wo"] = [(g + "attn_output.weight", h + "self_attn.o_proj.weight")]
+        parts[f"layers.{i}.mlp.w_gate_up"] = [(g + "ffn_gate.weight", h + "mlp.gate_proj.weight"),
+                                              (g + "ffn_up.weight", h + "mlp.up_proj.weight")]
+        parts[f"layers.{i}.mlp.w_down"] = [(g + "ffn_down.weight", h + "mlp.down_proj.weight")]
+    return parts
+
+
+def build_native(gguf_path: Path, cfg, hf_state: dict[str, torch.Tensor], progress: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Repack a GGUF file's tensors for `cfg`: ({name: packed uint8}, metadata {"formats", "dense"})."""
+    import gguf
+    from tqdm import tqdm
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:  # gguf-py raises many kinds of errors for a damaged file
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {type(exc).__name__}: {exc}") from exc
+    tensors = {t.name: t for t in reader.tensors}
+    layouts = _ggml_layouts()
+    packed: dict[str, torch.Tensor] = {}
+    meta: dict = {"version": 1, "formats": {}, "dense": {}}
+    plan = _gguf_parts(cfg)
+    for name, parts in tqdm(plan.items(), desc=f"repacking {gguf_path.name} (one time)", disable=not progress,
+                            file=sys.stderr):
+        pieces, why = [], None
+        for gguf_name, hf_name in parts:
+            t = tensors.get(gguf_name)
+            if t is None or hf_name not in hf_state:
+                why = f"{gguf_name} missing"
+                break
+            if t.tensor_type not in layouts:
+                why = f"{gguf_name} is {t.tensor_type.name}, which has no native layout"
+                break
+            reference = hf_state[hf_name].float().numpy()
+            try:
+                fmt, rows, weights = repack(np.asarray(t.data), t.tensor_type, reference.shape[1])
+            except ValueError as exc:
+                why = f"{gguf_name} ({t.tensor_type.name}): {exc}"
+                break
+            order = row_order(weights, reference)
+            if order is None:
+                why = f"{gguf_name}: dequantized rows do not match the converted checkpoint"
+                break
+            pieces.append((fmt, rows[order]))
+        if why is None and len({fmt for fmt, _ in pieces}) > 1:
+            why = "its parts are in different layouts (" + ", ".join(FORMAT_NAMES[f] for f, _ in pieces) + ")"
+        if why is not None:
+            meta["dense"][name] = why
+            continue
+        packed[name] = torch.from_numpy(np.concatenate([rows for _, rows in pieces]))
+        meta["formats"][name] = pieces[0][0]
+    return packed, meta
+
+
+def load_native(gguf_path: Path, converted: Path, cfg, hf_state: dict[str, torch.Tensor],
+                progress: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """The repacked tensors from the cache next to the converted checkpoint, built on first use."""
+    from safetensors.torch import load_file, save_file
+
+    cache = converted / CACHE_NAME
+    if cache.exists():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(cache), "pt") as f:
+                meta = json.loads(f.metadata()["specdraft"])
+            return load_file(str(cache)), meta
+        except Exception as exc:  # a damaged cache entry is rebuilt
+            warnings.warn(f"specdraft: rebuilding damaged {cache} ({exc})", stacklevel=2)
+    packed, meta = build_native(gguf_path, cfg, hf_state, progress)
+    tmp = cache.with_suffix(".tmp")
+    save_file(packed, str(tmp), metadata={"specdraft": json.dumps(meta)})
+    tmp.replace(cache)  # atomic: an interrupted build leaves no half-written cache
+    return packed, meta
+
+
+def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict) -> NativeReport:
+    """Swap the model's dense linear layers and embedding for GGUF-native ones where `packed` has them."""
+    cfg = model.config
+    report = NativeReport(dense=dict(meta.get("dense", {})))
+    formats = {name: int(fmt) for name, fmt in meta["formats"].items()}
+    if "embed" in packed:
+        fmt = formats["embed"]
+        model.embed = GGUFEmbedding(packed["embed"], fmt, cfg.vocab_size, cfg.hidden_size)
+        report.native["embed"] = FORMAT_NAMES[fmt]
+        if cfg.tie_word_embeddings:
+            model.lm_head = GGUFLinear(packed["embed"], fmt, cfg.hidden_size, cfg.vocab_size)
+            report.native["lm_head"] = FORMAT_NAMES[fmt]
+    if "lm_head" in packed:
+        model.lm_head = GGUFLinear(packed["lm_head"], formats["lm_head"], cfg.hidden_size, cfg.vocab_size)
+        report.native["lm_head"] = FORMAT_NAMES[formats["lm_head"]]
+    for name, tensor in packed.items():
+        if not name.startswith("layers."):
+            continue
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        dense = getattr(parent, attr)
+        bias = None if dense.bias is None else dense.bias.detach().to(torch.bfloat16)
+        setattr(parent, attr, GGUFLinear(tensor, formats[name], dense.in_features, dense.out_features, bias))
+        report.native[name] = FORMAT_NAMES[formats[name]]
+    model.native_report = report
+    return report
+
+
+def native_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decoded token reads from a native model: packed tensors once each (a tied head
+    shares the embedding's), dense parameters at their size, the embedding counted as one row."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, GGUFEmbedding):
+            continue
+        tensors = [module.packed] if isinstance(module, GGUFLinear) else list(module.parameters(recurse=False))
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def native_weights(model: nn.Module) -> int:
+    """Weights one decoded token multiplies (as native_bytes counts them, in weights rather than bytes)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, GGUFEmbedding):
+            continue
+        if isinstance(module, GGUFLinear):
+            key, count = module.packed.data_ptr(), module.in_features * module.out_features
+            if key not in seen:
+                seen.add(key)
+                total += count
+            continue
+        for t in module.parameters(recurse=False):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel()
+    return total

@@ -1,0 +1,307 @@
+"""GGUF-native weights (specdraft/runtime/gguf_native.py and the SD_W_* kernels of cpu_kernels.c).
+
+Repacking keeps the file's exact values for every supported type; the kernels compute with them about as
+accurately as an fp32 matmul of the dequantized weights, and every row's bits are independent of the block it
+is verified in (linear layers, whole models, token trees, batched slots), on each kernel path this CPU can
+run. On the bundled models: every layer stays native, the logits are about as close to the fp32 reference
+as the bf16 model's, and speculative decoding on a native target reproduces its plain decoding.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specdraft.errors import ModelLoadError
+from specdraft.runtime import cpu_kernels
+from specdraft.runtime.gguf_native import (
+    BLOCK_BYTES,
+    GGUFEmbedding,
+    GGUFLinear,
+    dequantize,
+    native_bytes,
+    repack,
+    row_order,
+)
+from tests.test_cpu_kernels import SIMD_BUILDS, _cpu_flags, fp32_copy, ids, kernel_model, needs_kernels, prefilled
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0]  # gguf-py can quantize these
+SUPER_BLOCK = {T.Q4_K: (144, (0, 2)), T.Q6_K: (210, (208,))}  # bytes per 256 weights, offsets of fp16 scales
+
+
+def raw_tensor(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A GGUF tensor's bytes [rows, row bytes]: quantized random weights, or random K-quant super-blocks
+    (any bits are a valid block once the fp16 scales are finite and of sensible size)."""
+    rng = np.random.default_rng(seed)
+    if qtype in SUPER_BLOCK:
+        size, scale_at = SUPER_BLOCK[qtype]
+        blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        for at in scale_at:
+            scales = rng.uniform(1e-3, 2e-2, (rows, cols // 256)).astype(np.float16)
+            blocks[..., at:at + 2] = scales[..., None].view(np.uint8)
+        return blocks.reshape(rows, -1)
+    return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+
+
+ALL_TYPES = QUANTIZABLE + list(SUPER_BLOCK)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_repacked_blocks_hold_the_files_exact_weights(qtype):
+    raw = raw_tensor(qtype, 7, 512, seed=int(qtype))
+    fmt, packed, weights = repack(raw, qtype, 512)
+    reference = gguf.quants.dequantize(raw, qtype).reshape(7, 512)
+    assert np.array_equal(weights, reference)
+    assert packed.shape == (7, 512 // (16 if qtype == T.Q6_K else 32) * BLOCK_BYTES[fmt])
+    assert torch.equal(dequantize(torch.from_numpy(packed), fmt, 512), torch.from_numpy(reference))
+    if cpu_kernels.available():  # the layout the kernels read
+        assert packed.shape[1] == cpu_kernels.q_row_bytes(fmt, 512)
+
+
+def test_repack_refuses_what_its_layouts_cannot_hold():
+    raw = raw_tensor(T.Q4_1, 3, 64, seed=1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        repack(raw[:, :10], T.Q8_0, 10)
+    with pytest.raises(KeyError):
+        repack(gguf.quants.quantize(np.ones((2, 64), np.float32), T.Q5_1), T.Q5_1, 64)
+
+
+def test_row_order_matches_reordered_rows_and_rejects_foreign_ones():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((6, 8)).astype(np.float32)
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    order = row_order(rows, rows[perm])
+    assert order is not None and np.array_equal(rows[order], rows[perm])
+    other = rows.copy()
+    other[2, 3] += 1e-3
+    assert row_order(rows, other) is None
+
+
+def native_linear(qtype, out_features: int, in_features: int, seed: int, bias: bool = False) -> GGUFLinear:
+    fmt, packed, _ = repack(raw_tensor(qtype, out_features, in_features, seed), qtype, in_features)
+    b = torch.randn(out_features, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16) if bias else None
+    return GGUFLinear(torch.from_numpy(packed), fmt, in_features, out_features, b)
+
+
+def check_native_linear(qtype, rows: int) -> None:
+    layer = native_linear(qtype, 37, 512, seed=rows, bias=True)  # 37 outputs: partial tiles at the end
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows + 100)).to(torch.bfloat16)
+    reference = x.float() @ layer.dequantize().T + layer.bias.float()
+    # Exact weights; activations at 16 bits per block and the summation order differ from the fp32 reference:
+    # at most about one bf16 rounding step apart. Prompt-sized blocks (no exact_rows) take the fp32 GEMM.
+    scale = (x.float().abs() @ layer.dequantize().abs().T).amax()
+    for y in (layer(x, exact_rows=True), layer(x)):
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
+        assert ((y.float() - reference).abs() <= reference.abs() * 2 ** -7 + scale * 1e-4 + 1e-3).all()
+    y = layer(x, exact_rows=True)
+    for r in range(rows):
+        assert torch.equal(y[r], layer(x[r:r + 1])[0]), f"row {r} of {rows}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
+def test_native_linear_matches_fp32_and_rows_are_independent(qtype, rows):
+    check_native_linear(qtype, rows)
+
+
+def test_native_linear_without_kernels_dequantizes():
+    layer = native_linear(T.Q4_K, 5, 256, seed=3)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with cpu_kernels.disabled():
+        y = layer(x)
+    assert torch.allclose(y.float(), x.float() @ layer.dequantize().T, rtol=2 ** -7, atol=1e-2)
+
+
+def native_copy(model, types=(T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_0)):
+    """The model with every linear layer and the embedding quantized by gguf-py and held natively (the
+    layer types rotate through `types`); returns it and an fp32 model of the same (dequantized) weights."""
+    reference = fp32_copy(model)
+    cfg = model.config
+    for i, (layer, ref_layer) in enumerate(zip(model.layers, reference.layers)):
+        for j, (parent, ref_parent, name) in enumerate(
+                [(layer.attn, ref_layer.attn, "wqkv"), (layer.attn, ref_layer.attn, "wo"),
+                 (layer.mlp, ref_layer.mlp, "w_gate_up"), (layer.mlp, ref_layer.mlp, "w_down")]):
+            dense = getattr(parent, name)
+            qtype = types[(i + j) % len(types)]
+            raw = gguf.quants.quantize(dense.weight.float().numpy(), qtype)
+            fmt, packed, weights = repack(raw, qtype, dense.in_features)
+            bias = None if dense.bias is None else dense.bias.detach().clone()
+            setattr(parent, name, GGUFLinear(torch.from_numpy(packed), fmt, dense.in_features, dense.out_features,
+                                             bias))
+            getattr(ref_parent, name).weight.copy_(torch.from_numpy(weights))
+    raw = gguf.quants.quantize(model.embed.weight.float().numpy(), T.Q8_0)
+    fmt, packed, weights = repack(raw, T.Q8_0, cfg.hidden_size)
+    model.embed = GGUFEmbedding(torch.from_numpy(packed), fmt, cfg.vocab_size, cfg.hidden_size)
+    reference.embed.weight = torch.nn.Parameter(torch.from_numpy(weights).bfloat16().float(), requires_grad=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head = GGUFLinear(model.embed.packed, fmt, cfg.hidden_size, cfg.vocab_size)
+        reference.lm_head.weight = torch.nn.Parameter(torch.from_numpy(weights), requires_grad=False)
+    else:
+        raw = gguf.quants.quantize(model.lm_head.weight.float().numpy(), T.Q4_1)
+        fmt, packed, weights = repack(raw, T.Q4_1, cfg.hidden_size)
+        model.lm_head = GGUFLinear(torch.from_numpy(packed), fmt, cfg.hidden_size, cfg.vocab_size)
+        reference.lm_head.weight.copy_(torch.from_numpy(weights))
+    return model, reference
+
+
+NATIVE_FAMILIES = ["llama", "qwen", "gemma3"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+def test_native_model_runs_fused_and_as_accurately_as_fp32_allows(family):
+    model, reference = native_copy(kernel_model(family))
+    assert model.fused.applies(model, 1, model.new_cache(64))
+    prompt, block = ids(40, 1), ids(6, 2)
+    native = model(block, prefilled(model, prompt))
+    with cpu_kernels.disabled():
+        plain = model(block, prefilled(model, prompt))
+    want = reference(block, prefilled(reference, prompt))
+    native_err = (native.float() - want).abs().max().item()
+    plain_err = (plain.float() - want).abs().max().item()
+    assert native_err <= 1.5 * plain_err + 1e-3, (native_err, plain_err)
+    assert native_err <= 0.05 * want.abs().max().item()
+
+
+def check_native_blocks(family: str, prefix: int, length: int) -> None:
+    model, _ = native_copy(kernel_model(family, seed=length))
+    tokens = ids(prefix + length, prefix)
+    block = model(tokens[:, prefix:], prefilled(model, tokens[:, :prefix]))[0]
+    cache = prefilled(model, tokens[:, :prefix])
+    singles = []
+    for t in range(prefix, prefix + length):
+        singles.append(model(tokens[:, t:t + 1], cache)[0])
+        cache.commit(0, t + 1)
+    assert torch.equal(block, torch.cat(singles))
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+@pytest.mark.parametrize(("prefix", "length"), [(5, 7), (60, 8), (40, 32)])
+def test_native_block_equals_incremental_bit_identical(family, prefix, length):
+    check_native_blocks(family, prefix, length)
+
+
+@needs_kernels
+def test_native_tree_nodes_and_slots_get_their_own_bits():
+    model, _ = native_copy(kernel_model("gemma3", seed=3))
+    prompt = ids(20, 3)
+    tree_tokens = torch.tensor([[7, 11, 13, 17, 19]])
+    parents, depth = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
+    visible = torch.zeros(5, 5, dtype=torch.bool)
+    for node in range(5):
+        a = node
+        while a >= 0:
+            visible[node, a] = True
+            a = parents[a]
+    tree = model(tree_tokens, prefilled(model, prompt), positions=torch.tensor([[20 + d for d in depth]]),
+                 tree_mask=visible)[0]
+    for path in ([0, 1, 3], [0, 2, 4]):
+        assert torch.equal(tree[path], model(tree_tokens[:, path], prefilled(model, prompt))[0])
+    a, b = ids(30, 5), ids(30, 6)
+    cache = model.new_cache(64, num_slots=2)
+    for slot, p in enumerate((a, b)):
+        model(p[:, :25], cache, slots=[slot])
+        cache.commit(slot, 25)
+    both = model(torch.cat([a[:, 25:], b[:, 25:]]), cache)
+    for slot, p in enumerate((a, b)):
+        assert torch.equal(both[slot], model(p[:, 25:], prefilled(model, p[:, :25], 64))[0])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
+                    reason="the variants are built for x86-64 with cc")
+@pytest.mark.parametrize(("march", "path", "needs"), SIMD_BUILDS, ids=[b[1] for b in SIMD_BUILDS])
+def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, needs):
+    """The native kernels have an AVX2 + FMA path (which AVX-512 builds take too) and a portable one: each is
+    checked for accuracy and row independence wherever this machine can execute it."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {path} path (needs {sorted(needs)})")
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_load_error", None)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", march)
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert cpu_kernels.simd_path() == path
+    for qtype in ALL_TYPES:
+        for rows in (1, 5, 17):
+            check_native_linear(qtype, rows)
+    for family in NATIVE_FAMILIES:
+        check_native_blocks(family, 60, 8)
+
+
+# ---- the bundled models ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_native():
+    from specdraft.runtime.loader import load_model
+
+    return load_model("smollm2-135m", dtype="gguf", progress=False)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_smollm2_runs_natively_as_close_to_fp32_as_bf16(smollm2_native):
+    from specdraft.runtime.loader import load_model
+
+    report = smollm2_native.native_report
+    assert not report.dense, report.dense
+    assert report.native["embed"] == "q8" and report.native["layers.0.attn.wqkv"] == "q4"
+    bf16 = load_model("smollm2-135m", progress=False)
+    fp32 = load_model("smollm2-135m", dtype="fp32", progress=False)
+    assert native_bytes(smollm2_native) < 0.45 * sum(p.numel() * 2 for p in bf16.parameters())
+    tokens = torch.tensor([[1, 504, 3458, 314, 253, 1345, 28, 346, 282, 1848, 288, 260, 4752, 30]])
+    logits = {name: m(tokens, m.new_cache(64)).float() for name, m in
+              (("native", smollm2_native), ("bf16", bf16), ("fp32", fp32))}
+    native_err = (logits["native"] - logits["fp32"]).abs().max().item()
+    bf16_err = (logits["bf16"] - logits["fp32"]).abs().max().item()
+    # The native weights are the file's own, the bf16 model's are rounded; both round activations to bf16,
+    # which dominates (measured over six dev prompts: about equal distances to fp32, as llama.cpp's).
+    assert native_err <= 1.5 * bf16_err, (native_err, bf16_err)
+    assert torch.equal(logits["native"].argmax(-1), logits["fp32"].argmax(-1))
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_speculation_on_a_native_target_reproduces_its_plain_decoding(smollm2_native):
+    from specdraft.drafters import make_drafter
+    from specdraft.engine.adaptive import AdaptiveConfig
+    from specdraft.engine.core import Engine
+    from specdraft.runtime.loader import load_tokenizer
+    from specdraft.verify.sampling import SamplingParams
+
+    tokenizer = load_tokenizer("smollm2-135m", progress=False)
+    prompt = tokenizer.prompt_ids("List three uses of copper, then say which is most common and why.", chat=True)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = Engine(smollm2_native, tokenizer, None, 0).generate(prompt, params).token_ids
+    for spec, tree in (("ngram", 0), ("ngram", 8), ("eagle", 0), ("eagle", 8), ("self:12", 0)):
+        drafter = make_drafter(spec, smollm2_native, tokenizer, max_len=1024, dtype="bf16")
+        engine = Engine(smollm2_native, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024,
+                        tree=tree)
+        assert engine.generate(prompt, params).token_ids == plain, (spec, tree)
+
+
+def test_native_dtype_needs_a_gguf_model(tmp_path):
+    from specdraft.runtime.loader import load_model
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="needs a GGUF model"):
+        load_model(str(tmp_path), dtype="gguf", progress=False)
+
+
+@pytest.mark.slow
+def test_quant_drafts_refuse_a_native_target(smollm2_native):
+    from specdraft.drafters import make_drafter
+    from specdraft.errors import SpecdraftError
+    from specdraft.runtime.loader import load_tokenizer
+
+    with pytest.raises(SpecdraftError, match="already runs on its GGUF blocks"):
+        make_drafter("quant:int8", smollm2_native, load_tokenizer("smollm2-135m", progress=False), max_len=256)
