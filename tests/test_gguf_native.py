@@ -111,6 +111,15 @@ def test_native_linear_matches_fp32_and_rows_are_independent(qtype, rows):
     check_native_linear(qtype, rows)
 
 
+@needs_kernels
+def test_native_linear_propagates_non_finite_inputs():
+    layer = native_linear(T.Q8_0, 5, 64, seed=4)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    x[1, 7] = float("nan")
+    y = layer(x, exact_rows=True)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
 def test_native_linear_without_kernels_dequantizes():
     layer = native_linear(T.Q4_K, 5, 256, seed=3)
     x = torch.randn(4, 256).to(torch.bfloat16)

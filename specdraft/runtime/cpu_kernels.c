@@ -844,7 +844,8 @@ static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
 
 /* Block by block of E: the largest exponent e_max of |x| (bf16 bits), X = rint(x * 2^(141 - e_max)) (so the
  * largest magnitudes land in [2^14, 2^15)), scale 2^(e_max - 141). Blocks whose largest is below 2^-112 (or
- * zero) become zeros. One thread; the arithmetic is exact except for rint. */
+ * zero) become zeros; a block holding inf or NaN gets a NaN scale. One thread; the arithmetic is exact except
+ * for rint. */
 static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
 #pragma omp single
     {
@@ -871,6 +872,7 @@ static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_inp
                 }
             } else {
                 for (int64_t i = 0; i < E; i++) in.X[b * E + i] = 0;
+                if (e_max == 255) scale = NAN; /* an inf or NaN input yields NaN outputs, as a float dot would */
             }
             in.scale[b] = scale;
             if (fmt == SD_W_Q4) in.offset_in[b] = scale * (float)total;
