@@ -314,3 +314,28 @@ def test_quant_drafts_refuse_a_native_target(smollm2_native):
 
     with pytest.raises(SpecdraftError, match="already runs on its GGUF blocks"):
         make_drafter("quant:int8", smollm2_native, load_tokenizer("smollm2-135m", progress=False), max_len=256)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_tensors_without_a_native_layout_stay_dense(monkeypatch):
+    """A type the kernels have no layout for keeps the bf16 path, with the reason in the report; the model
+    runs with the rest native (here: only Q8_0 has a layout, so SmolLM2 keeps its embedding/head native)."""
+    from specdraft.runtime import gguf_native
+    from specdraft.runtime.config import ModelConfig
+    from specdraft.runtime.loader import CATALOG, build_model, read_safetensors, resolve
+
+    monkeypatch.setattr(gguf_native, "_ggml_layouts", lambda: {T.Q8_0: gguf_native.Q8})
+    path = resolve("smollm2-135m", progress=False)
+    cfg = ModelConfig.from_file(path / "config.json")
+    state = read_safetensors(path)
+    packed, meta = gguf_native.build_native(CATALOG["smollm2-135m"].locate(), cfg, state, progress=False)
+    assert set(packed) == {"embed"}
+    assert "Q4_1, which has no native layout" in meta["dense"]["layers.0.attn.wqkv"]
+    model = build_model(cfg, state, torch.bfloat16, torch.device("cpu"))
+    report = gguf_native.attach_native(model, packed, meta)
+    assert report.native == {"embed": "q8", "lm_head": "q8"} and len(report.dense) == 4 * cfg.num_layers
+    assert isinstance(model.layers[0].attn.wqkv, torch.nn.Linear)
+    tokens = torch.tensor([[1, 504, 3458, 314]])
+    block = model(tokens, model.new_cache(16))[0]
+    assert torch.isfinite(block).all()
