@@ -178,7 +178,11 @@ def test_fused_forward_writes_the_same_cache(family):
 def test_fused_block_equals_incremental_bit_identical(family, prefix, length):
     """Verification-sized blocks (crossing a 64-key boundary too) give each token exactly the logits it gets
     when decoded alone."""
-    model = kernel_model(family, seed=length)
+    assert_block_equals_incremental(kernel_model(family, seed=length), prefix, length)
+
+
+def assert_block_equals_incremental(model: Transformer, prefix: int, length: int) -> None:
+    """A block of `length` tokens after `prefix` gets, row for row, the bits of decoding them one by one."""
     tokens = ids(prefix + length, prefix)
     block_cache = prefilled(model, tokens[:, :prefix])
     block = model(tokens[:, prefix:], block_cache)[0]
@@ -195,7 +199,10 @@ def test_fused_block_equals_incremental_bit_identical(family, prefix, length):
 def test_fused_token_tree_node_equals_its_path_decoded(family):
     """A token tree scored in one pass: each node gets the bits of its root-to-node path decoded token by
     token (ancestors' keys are found in cache order, so the sum runs in the same order)."""
-    model = kernel_model(family, seed=3)
+    assert_tree_nodes_equal_their_paths(kernel_model(family, seed=3))
+
+
+def assert_tree_nodes_equal_their_paths(model: Transformer) -> None:
     prompt = ids(20, 3)
     # Tree: 0 -> 1 -> 3, 0 -> 2 -> 4; node tokens and parents.
     tree_tokens = torch.tensor([[7, 11, 13, 17, 19]])
@@ -219,7 +226,10 @@ def test_fused_token_tree_node_equals_its_path_decoded(family):
 @needs_kernels
 def test_fused_slots_are_independent():
     """Two sequences in one forward get the logits each gets alone (the server's batched decoding)."""
-    model = kernel_model("gemma3", seed=4)
+    assert_slots_independent(kernel_model("gemma3", seed=4))
+
+
+def assert_slots_independent(model: Transformer) -> None:
     a, b = ids(30, 5), ids(30, 6)
     cache = model.new_cache(64, num_slots=2)
     for slot, prompt in enumerate((a, b)):

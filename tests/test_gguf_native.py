@@ -27,7 +27,18 @@ from specdraft.runtime.gguf_native import (
     repack,
     row_order,
 )
-from tests.test_cpu_kernels import SIMD_BUILDS, _cpu_flags, fp32_copy, ids, kernel_model, needs_kernels, prefilled
+from tests.test_cpu_kernels import (
+    SIMD_BUILDS,
+    _cpu_flags,
+    assert_block_equals_incremental,
+    assert_slots_independent,
+    assert_tree_nodes_equal_their_paths,
+    fp32_copy,
+    ids,
+    kernel_model,
+    needs_kernels,
+    prefilled,
+)
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -180,15 +191,7 @@ def test_native_model_runs_fused_and_as_accurately_as_fp32_allows(family):
 
 
 def check_native_blocks(family: str, prefix: int, length: int) -> None:
-    model, _ = native_copy(kernel_model(family, seed=length))
-    tokens = ids(prefix + length, prefix)
-    block = model(tokens[:, prefix:], prefilled(model, tokens[:, :prefix]))[0]
-    cache = prefilled(model, tokens[:, :prefix])
-    singles = []
-    for t in range(prefix, prefix + length):
-        singles.append(model(tokens[:, t:t + 1], cache)[0])
-        cache.commit(0, t + 1)
-    assert torch.equal(block, torch.cat(singles))
+    assert_block_equals_incremental(native_copy(kernel_model(family, seed=length))[0], prefix, length)
 
 
 @needs_kernels
@@ -200,28 +203,8 @@ def test_native_block_equals_incremental_bit_identical(family, prefix, length):
 
 @needs_kernels
 def test_native_tree_nodes_and_slots_get_their_own_bits():
-    model, _ = native_copy(kernel_model("gemma3", seed=3))
-    prompt = ids(20, 3)
-    tree_tokens = torch.tensor([[7, 11, 13, 17, 19]])
-    parents, depth = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
-    visible = torch.zeros(5, 5, dtype=torch.bool)
-    for node in range(5):
-        a = node
-        while a >= 0:
-            visible[node, a] = True
-            a = parents[a]
-    tree = model(tree_tokens, prefilled(model, prompt), positions=torch.tensor([[20 + d for d in depth]]),
-                 tree_mask=visible)[0]
-    for path in ([0, 1, 3], [0, 2, 4]):
-        assert torch.equal(tree[path], model(tree_tokens[:, path], prefilled(model, prompt))[0])
-    a, b = ids(30, 5), ids(30, 6)
-    cache = model.new_cache(64, num_slots=2)
-    for slot, p in enumerate((a, b)):
-        model(p[:, :25], cache, slots=[slot])
-        cache.commit(slot, 25)
-    both = model(torch.cat([a[:, 25:], b[:, 25:]]), cache)
-    for slot, p in enumerate((a, b)):
-        assert torch.equal(both[slot], model(p[:, 25:], prefilled(model, p[:, :25], 64))[0])
+    assert_tree_nodes_equal_their_paths(native_copy(kernel_model("gemma3", seed=3))[0])
+    assert_slots_independent(native_copy(kernel_model("gemma3", seed=4))[0])
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,

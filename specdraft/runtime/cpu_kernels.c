@@ -518,6 +518,19 @@ typedef float xin_t;
     }
 #endif
 
+/* A tile's fp32 results res[i * mb + j] (weight row n + i, input row m + j) to y [M, N] in bf16, times the
+ * per-output scale (int8 weights) and plus the bias where given. */
+static inline void store_tile(const float *res, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t N,
+                              int64_t n, int64_t m, int nb, int mb) {
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float v = res[i * mb + j];
+            if (scale) v *= bf2f(scale[n + i]);
+            if (bias) v += bf2f(bias[n + i]);
+            y[(m + j) * N + n + i] = f2bf(v);
+        }
+}
+
 #ifdef HAVE_PANEL
 /* Verification blocks with bf16 weights (see dot_tile_panel), work-shared over blocks of PANEL_BLOCK outputs. */
 static void linear_panel_for(const float *x, const void *w, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
@@ -537,12 +550,7 @@ static void linear_panel_for(const float *x, const void *w, const bf16 *bias, bf
                 const int mode = !panel ? PANEL_NONE : m == 0 ? PANEL_STORE : PANEL_READ;
                 float res[NB_PANEL * MB_PANEL];
                 panel_tile(wrow, panel, x + m * K, K, nb, mb, mode, pf, res);
-                for (int i = 0; i < nb; i++)
-                    for (int j = 0; j < mb; j++) {
-                        float v = res[i * mb + j];
-                        if (bias) v += bf2f(bias[n + i]);
-                        y[(m + j) * N + n + i] = f2bf(v);
-                    }
+                store_tile(res, NULL, bias, y, N, n, m, nb, mb);
                 m += mb;
             }
             n += nb;
@@ -755,13 +763,7 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
                     else
                         TILE_SWITCH(dot_tile, wrow, xin + m * K)
                 }
-                for (int i = 0; i < nb; i++)
-                    for (int j = 0; j < mb; j++) {
-                        float v = res[i * mb + j];
-                        if (scale) v *= bf2f(scale[n + i]);
-                        if (bias) v += bf2f(bias[n + i]);
-                        y[(m + j) * N + n + i] = f2bf(v);
-                    }
+                store_tile(res, scale, bias, y, N, n, m, nb, mb);
                 m += mb;
             }
             n += nb;
@@ -819,7 +821,6 @@ static inline int64_t q_row_bytes(int fmt, int64_t K) {
     return K / q_block_elems(fmt) * (q_block_bytes(fmt) + (fmt == SD_W_Q4 ? 4 : 0));
 }
 
-int sd_q_block_elems(int fmt) { return (int)q_block_elems(fmt); }
 int64_t sd_q_row_bytes(int fmt, int64_t K) { return q_row_bytes(fmt, K); }
 
 #define QNB_DECODE 4 /* weight rows per tile for one input row */
@@ -1024,12 +1025,7 @@ static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bia
                 } else {
                     Q_TILE_CASE(SD_W_Q8H)
                 }
-                for (int i = 0; i < nb; i++)
-                    for (int j = 0; j < mb; j++) {
-                        float v = res[i * mb + j];
-                        if (bias) v += bf2f(bias[n + i]);
-                        y[(m + j) * N + n + i] = f2bf(v);
-                    }
+                store_tile(res, NULL, bias, y, N, n, m, nb, mb);
                 m += mb;
             }
             n += nb;

@@ -37,6 +37,10 @@ import torch
 from specdraft.runtime.paths import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+
+# Up to this many new tokens per sequence, blocks run in the fused kernels (bit-identical rows whatever the
+# block); longer blocks (prompts) are compute-bound and go to PyTorch's GEMMs.
+SMALL_BATCH_ROWS = 32
 def _flags() -> list[str]:
     """SPECDRAFT_KERNEL_MARCH picks another target than this CPU (tests build the portable x86-64 variant)."""
     march = os.environ.get("SPECDRAFT_KERNEL_MARCH", "native")
@@ -109,7 +113,6 @@ _SIGNATURES = {
     "sd_linear_q": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_scratch_floats": ([_I, _I], _I),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
-    "sd_q_block_elems": ([ctypes.c_int], ctypes.c_int),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),

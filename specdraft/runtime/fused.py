@@ -18,13 +18,10 @@ import torch
 from torch import nn
 
 from specdraft.runtime import cpu_kernels
+from specdraft.runtime.cpu_kernels import SMALL_BATCH_ROWS  # noqa: F401  (re-exported: model, engine)
 from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.quant import Int8Linear
-
-# Up to this many new tokens per sequence, blocks run in the fused kernels (bit-identical rows whatever the
-# block); longer blocks (prompts) are compute-bound and go to PyTorch's GEMMs.
-SMALL_BATCH_ROWS = 32
 
 
 class FusedCPUBackend:

@@ -196,10 +196,8 @@ class GGUFLinear(nn.Module):
         """Without exact_rows, a prompt-sized block (more than SMALL_BATCH_ROWS rows, never compared bit for
         bit with decoding) runs as an fp32 GEMM on the dequantized weights: about twice as fast as the
         integer kernel there, whose strength is the few rows of decoding and verification (as `Linear`)."""
-        from specdraft.runtime.fused import SMALL_BATCH_ROWS
-
         rows = x.numel() // x.shape[-1]
-        if rows > SMALL_BATCH_ROWS and not exact_rows:
+        if rows > cpu_kernels.SMALL_BATCH_ROWS and not exact_rows:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
         if x.device.type == "cpu" and rows and cpu_kernels.available():
@@ -371,37 +369,31 @@ def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict)
     return report
 
 
-def native_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decoded token reads from a native model: packed tensors once each (a tied head
-    shares the embedding's), dense parameters at their size, the embedding counted as one row."""
+def read_per_token(model: nn.Module) -> tuple[int, int]:
+    """(bytes, weights) one decoded token reads from a native model: packed tensors once each (a tied head
+    shares the embedding's), dense parameters at their size, the embedding lookup counted as nothing."""
     seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, GGUFEmbedding):
-            continue
-        tensors = [module.packed] if isinstance(module, GGUFLinear) else list(module.parameters(recurse=False))
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
-
-
-def native_weights(model: nn.Module) -> int:
-    """Weights one decoded token multiplies (as native_bytes counts them, in weights rather than bytes)."""
-    seen: set[int] = set()
-    total = 0
+    nbytes = weights = 0
     for module in model.modules():
         if isinstance(module, GGUFEmbedding):
             continue
         if isinstance(module, GGUFLinear):
-            key, count = module.packed.data_ptr(), module.in_features * module.out_features
-            if key not in seen:
-                seen.add(key)
-                total += count
-            continue
-        for t in module.parameters(recurse=False):
+            tensors = [(module.packed, module.in_features * module.out_features)]
+        else:
+            tensors = [(t, t.numel()) for t in module.parameters(recurse=False)]
+        for t, count in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel()
-    return total
+                nbytes += t.numel() * t.element_size()
+                weights += count
+    return nbytes, weights
+
+
+def native_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decoded token reads from a native model (see read_per_token)."""
+    return read_per_token(model)[0]
+
+
+def native_weights(model: nn.Module) -> int:
+    """Weights one decoded token multiplies (see read_per_token)."""
+    return read_per_token(model)[1]
