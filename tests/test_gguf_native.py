@@ -255,8 +255,9 @@ def test_smollm2_runs_natively_as_close_to_fp32_as_bf16(smollm2_native):
     native_err = (logits["native"] - logits["fp32"]).abs().max().item()
     bf16_err = (logits["bf16"] - logits["fp32"]).abs().max().item()
     # The native weights are the file's own, the bf16 model's are rounded; both round activations to bf16,
-    # which dominates (measured over six dev prompts: about equal distances to fp32, as llama.cpp's).
-    assert native_err <= 1.5 * bf16_err, (native_err, bf16_err)
+    # which dominates (measured over six dev prompts: native/bf16 distance ratios 0.7-1.4, llama.cpp's alike).
+    # The native kernels are the same code on every x86 CPU, the bf16 ones are not: hence the loose factor.
+    assert native_err <= 2 * bf16_err, (native_err, bf16_err)
     assert torch.equal(logits["native"].argmax(-1), logits["fp32"].argmax(-1))
 
 
