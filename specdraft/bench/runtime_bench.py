@@ -169,12 +169,6 @@ def build_runtime_results(header: dict, config: dict, bandwidth: dict, weights: 
             "samples": samples}
 
 
-def _is_gguf(ref: str) -> bool:
-    from specdraft.runtime.loader import CATALOG
-
-    return ref in CATALOG or ref.endswith(".gguf")
-
-
 def native_kernel_rates(model, bandwidth_gb_s: float, repeats: int = 30) -> dict:
     """Per GGUF-native layout: one decoding row (M = 1) through the model's largest layer of that layout,
     median time, the bytes it reads and the fraction of the machine's bandwidth that reaches."""
@@ -245,7 +239,7 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
     from specdraft.bench.suite import DEFAULT_SUITE, DEV_SUITE, load_suite, spread
     from specdraft.engine.core import Engine
     from specdraft.errors import SpecdraftError
-    from specdraft.runtime.loader import load_model, load_tokenizer, resolve
+    from specdraft.runtime.loader import gguf_source, load_model, load_tokenizer, resolve
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -287,7 +281,7 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
                "parameters": sum(p.numel() for _, p in named),
                "tied_embeddings": m.lm_head.weight.data_ptr() == m.embed.weight.data_ptr()}
     native = None
-    if not args.no_gguf and _is_gguf(args.model):
+    if not args.no_gguf and gguf_source(resolve(args.model, progress=False)) is not None:
         from specdraft.runtime.gguf_native import native_bytes
 
         native = load_model(args.model, dtype="gguf", device="cpu")

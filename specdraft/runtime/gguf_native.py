@@ -253,9 +253,6 @@ class NativeReport:
     native: dict[str, str] = field(default_factory=dict)
     dense: dict[str, str] = field(default_factory=dict)
 
-    def bytes_note(self) -> str:
-        return f"{len(self.native)} native, {len(self.dense)} dense"
-
 
 def _gguf_parts(cfg) -> dict[str, list[tuple[str, str]]]:
     """Our linear name -> [(GGUF tensor, Hugging Face tensor)] of its parts, concatenated along rows."""

@@ -189,7 +189,7 @@ def load_model(ref: str, dtype: str | torch.dtype | None = None, device: str | t
         dtype = NATIVE if native_by_default(path, target) else "bf16"
     torch_dtype = parse_dtype(dtype)
     native = dtype == NATIVE
-    source = _gguf_source(path) if native else None
+    source = gguf_source(path) if native else None
     if native and (source is None or not Path(source).is_file()):
         raise ModelLoadError(f"dtype 'gguf' needs a GGUF model; {ref!r} is "
                              + ("a safetensors checkpoint" if source is None else f"converted from missing {source}"))
@@ -211,11 +211,11 @@ def native_by_default(path: Path, device: torch.device) -> bool:
     """Whether dtype "auto" runs this converted model on its GGUF blocks: a GGUF source on CPU, kernels built."""
     from specdraft.runtime import cpu_kernels
 
-    source = _gguf_source(path)
+    source = gguf_source(path)
     return device.type == "cpu" and source is not None and Path(source).is_file() and cpu_kernels.available()
 
 
-def _gguf_source(path: Path) -> str | None:
+def gguf_source(path: Path) -> str | None:
     """The GGUF file a converted directory was made from (None for a safetensors checkpoint)."""
     try:
         return json.loads((path / "config.json").read_text()).get("specdraft_source")
