@@ -323,6 +323,15 @@ SIMD_BUILDS = [("x86-64", "portable", set()), ("x86-64-v3", "avx2", {"avx2", "fm
                ("cooperlake", "avx512bf16", _AVX512 | {"avx512cd", "avx512_vnni", "avx512_bf16"})]
 
 
+def skip_unless_a_variant_is_needed(path: str, needs: set[str]) -> None:
+    """A variant build is tested where this CPU can execute it and the native build (which every other test
+    runs) takes another path."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {path} path (needs {sorted(needs)})")
+    if cpu_kernels.available() and cpu_kernels.simd_path() == path:
+        pytest.skip(f"the native build takes the {path} path: the rest of the tests run it")
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
                     reason="the variants are built for x86-64 with cc")
 @pytest.mark.parametrize(("march", "path", "needs"), SIMD_BUILDS, ids=[b[1] for b in SIMD_BUILDS])
@@ -330,8 +339,7 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
     """Users' CPUs differ (AVX512-BF16 and AMX on Intel Sapphire Rapids, AVX512-BF16 on AMD Zen 4, AVX2 on
     Zen 2/3 and most laptops, none of these elsewhere): each path is checked for accuracy and for rows that
     do not depend on the block, on this machine whenever it can execute it."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {path} path (needs {sorted(needs)})")
+    skip_unless_a_variant_is_needed(path, needs)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_load_error", None)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))

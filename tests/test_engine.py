@@ -280,14 +280,14 @@ def test_speculative_sampling_matches_target_distribution(small_pair, setting):
 
 def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=None):
     """Planted bug: resample from target_probs instead of norm(max(0, target - draft)) after a rejection."""
-    from specdraft.verify.sampling import sample
+    from specdraft.verify.sampling import sample, uniforms
 
     batch, k = draft_tokens.shape
     if k == 0:
         return torch.zeros(batch, dtype=torch.long), sample(target_probs[:, 0], generator)[:, None]
     picked_target = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     picked_draft = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    u = torch.rand(picked_target.shape, generator=generator)
+    u = uniforms(picked_target.shape, generator)
     accept = (u * picked_draft < picked_target).long()
     accepted_len = accept.cumprod(-1).sum(-1)
     out = torch.cat([draft_tokens, torch.zeros(batch, 1, dtype=torch.long)], dim=1)

@@ -29,7 +29,6 @@ from specdraft.runtime.gguf_native import (
 )
 from tests.test_cpu_kernels import (
     SIMD_BUILDS,
-    _cpu_flags,
     assert_block_equals_incremental,
     assert_slots_independent,
     assert_tree_nodes_equal_their_paths,
@@ -38,6 +37,7 @@ from tests.test_cpu_kernels import (
     kernel_model,
     needs_kernels,
     prefilled,
+    skip_unless_a_variant_is_needed,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -213,8 +213,7 @@ def test_native_tree_nodes_and_slots_get_their_own_bits():
 def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, needs):
     """The native kernels have an AVX2 + FMA path (which AVX-512 builds take too) and a portable one: each is
     checked for accuracy and row independence wherever this machine can execute it."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {path} path (needs {sorted(needs)})")
+    skip_unless_a_variant_is_needed(path, needs)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_load_error", None)
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))

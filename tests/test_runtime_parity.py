@@ -2,7 +2,7 @@
 
 - logits over a 64-token prompt agree within 1e-3, whether scored at once, one token at a time after a
   40-token prefill, or in blocks of 5 (the KV cache path);
-- greedy decoding gives the same 64 tokens as `generate(do_sample=False)`, except at genuine near-ties;
+- greedy decoding gives the same 40 tokens as `generate(do_sample=False)`, except at genuine near-ties;
 - bf16 (the default dtype) changes fp32's top-1 token only at near-ties, and no more often than
   transformers' own bf16 does (the goal was 99% agreement; bf16 itself does not reach it, see the test);
 - a prompt longer than Gemma 3's 512-token sliding window still matches (the sliding-window layers).
@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 ATOL = 1e-3
 PROMPT_LEN = 64
-GREEDY_STEPS = 64
+GREEDY_STEPS = 40
 NEAR_TIE = 1e-3
 BF16_AGREEMENT = 0.99  # the goal; printed, not asserted (see test_bf16_top1_agrees_with_fp32)
 BF16_TIE = 0.5  # logits: bf16 errors at the top of the distribution are ~0.1, up to ~1 over the vocabulary
-GREEDY_CATEGORIES = ("writing", "coding", "translation", "qa", "math_reasoning")
+GREEDY_CATEGORIES = ("coding", "translation", "math_reasoning")
 LONG_CATEGORIES = ("summarization", "rag")
 LONG_RANGE = (600, 900)  # tokens: past the 512-token window, short enough to stay quick
 LONG_TAIL = 16
@@ -97,7 +97,7 @@ def parity_reference(hf_model, parity_prompt) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def greedy_prompts(dev_prompts, tokenizer) -> list[tuple[str, list[int]]]:
-    """One prompt from each of five different categories: (label, token ids)."""
+    """One prompt from each of three different categories: (label, token ids)."""
     picked = []
     for category in GREEDY_CATEGORIES:
         row = next((r for r in dev_prompts if r["category"] == category), None)

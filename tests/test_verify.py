@@ -436,6 +436,37 @@ def test_same_seed_same_output():
     assert not (torch.equal(runs[0][0], runs[2][0]) and torch.equal(runs[0][1], runs[2][1]))
 
 
+def test_one_generator_per_row_draws_what_each_row_draws_alone():
+    """Batched verification of seeded requests: row b of one call with a generator per row must equal row b
+    verified alone with its generator, so a request's tokens do not depend on what shares its batch."""
+    from specdraft.verify.sampling import sample_rows
+
+    target_probs = random_probs((6, 4, VOCAB), seed=9)
+    draft_probs = random_probs((6, 3, VOCAB), seed=10)
+    draft_tokens = sample(draft_probs, torch.Generator().manual_seed(11))
+    seeds = [5, 6, 7, 5, 8, 9]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    got_len, got_out = rejection_verify(draft_tokens, draft_probs, target_probs, gens)
+    for b, seed in enumerate(seeds):
+        want_len, want_out = rejection_verify(draft_tokens[b:b + 1], draft_probs[b:b + 1], target_probs[b:b + 1],
+                                              torch.Generator().manual_seed(seed))
+        assert got_len[b] == want_len[0] and torch.equal(got_out[b], want_out[0])
+    with pytest.raises(ValueError, match="generators"):
+        rejection_verify(draft_tokens, draft_probs, target_probs, gens[:2])
+
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(12))
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.7)]
+    tokens, dists = sample_rows(logits, params, [torch.Generator().manual_seed(s) for s in range(5)])
+    for b, p in enumerate(params):
+        if p.greedy:
+            assert tokens[b] == int(logits[b].argmax()) and dists[b] is None
+            continue
+        alone = logits_to_probs(logits[b], p)
+        assert torch.equal(dists[b], alone)
+        assert tokens[b] == int(sample(alone, torch.Generator().manual_seed(b)))
+
+
 def test_degenerate_residual_falls_back_to_target():
     # target <= draft everywhere (unnormalised inputs): rejections happen but max(0, target - draft) is 0.
     # Without the fallback, sampling from an all-zero row returns token 0, which the target forbids.

@@ -27,7 +27,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
-from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample_rows
 
 
 @dataclass
@@ -199,16 +199,14 @@ class ModelDrafter:
             state.proposed_at = len(context)
         while active:
             logits = self._feed([states[i] for i in active], [feeds[i] for i in active])
+            picked, dists = sample_rows(logits, [states[i].params for i in active],
+                                        [states[i].generator for i in active])
             still = []
             for row, i in enumerate(active):
-                state = states[i]
-                if state.params.greedy:
-                    token = int(logits[row].argmax())
+                token, dist = picked[row], dists[row]
+                if dist is None:  # greedy
                     confidence = float(torch.softmax(logits[row].float(), -1)[token]) if self.min_confidence else 1.0
-                    dist = None
                 else:
-                    dist = logits_to_probs(logits[row], state.params)
-                    token = int(sample(dist, state.generator))
                     confidence = float(dist[token])
                 if confidence < self.min_confidence and tokens[i]:
                     continue  # stop this request's draft at its first unsure token (after the first)

@@ -56,7 +56,7 @@ from specdraft.runtime.model import (
     attention_masks,
     rope_inv_freq,
 )
-from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+from specdraft.verify.sampling import SamplingParams, sample_rows
 
 CONFIG_FILE = "config.json"
 SPECULATORS_VERSION = "0.1.0"  # the speculators config layout the export follows
@@ -658,16 +658,19 @@ class EagleDrafter:
             self.cache.commit(state.slot, base)  # drop every draft position: verified ones get target features
         return out
 
-    def _pick(self, state: _EagleState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """(target token id, its draft distribution over the target vocabulary or None when greedy)."""
+    def _pick(self, states: list[_EagleState], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Per row of draft-vocabulary `logits`: (target token id, its draft distribution over the target
+        vocabulary, or None when greedy)."""
         head = self.head
-        if state.params.greedy:
-            return int(head.draft_to_target[int(logits.argmax())]), None
-        probs = logits_to_probs(logits, state.params)
-        draft_id = int(sample(probs, state.generator))
-        full = torch.zeros(head.eagle.vocab_size, dtype=torch.float32, device=probs.device)
-        full[head.draft_to_target] = probs
-        return int(head.draft_to_target[draft_id]), full
+        draft_ids, dists = sample_rows(logits, [s.params for s in states], [s.generator for s in states])
+        fulls: list[torch.Tensor | None] = []
+        for probs in dists:
+            full = None
+            if probs is not None:
+                full = torch.zeros(head.eagle.vocab_size, dtype=torch.float32, device=probs.device)
+                full[head.draft_to_target] = probs
+            fulls.append(full)
+        return head.draft_to_target[draft_ids].tolist(), fulls
 
     def _chains(self, states: list[_EagleState], logits: torch.Tensor, hidden: torch.Tensor,
                 ks: list[int]) -> list[Proposal]:
@@ -675,8 +678,8 @@ class EagleDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         active = list(range(len(states)))
         while True:
-            for row, b in enumerate(active):
-                token, dist = self._pick(states[b], logits[row])
+            picked, dists = self._pick([states[b] for b in active], logits)
+            for b, token, dist in zip(active, picked, dists, strict=True):
                 tokens[b].append(token)
                 if dist is not None:
                     probs[b].append(dist)

@@ -43,7 +43,7 @@ from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
-from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample
+from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
 # Where each emitted token came from (for --show-drafts and the metrics).
@@ -274,9 +274,9 @@ class Engine:
                                                        hidden_layers)
         prefill_time = time.perf_counter() - t0
         chunks = {}
-        for b, r in enumerate(requests):
+        firsts, _ = sample_rows(logits[:, -1], [r.params for r in requests], [r.generator for r in requests])
+        for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
             self.cache.commit(r.slot, length)
-            first = self._pick(logits[b, -1], r)
             r.metrics.prefill_time = prefill_time
             r.prefilled = True
             r.context = r.prompt_ids + [first]
@@ -394,11 +394,6 @@ class Engine:
                                     r.controller.log)
         self.release(r)
         return r.result
-
-    def _pick(self, logits: torch.Tensor, r: Request) -> int:
-        if r.params.greedy:
-            return int(logits.argmax(-1))
-        return int(sample(logits_to_probs(logits, r.params), r.generator))
 
     def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int,
                hidden_layers: Sequence[int], positions: torch.Tensor | None = None,

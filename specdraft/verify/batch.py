@@ -13,7 +13,7 @@ import torch
 
 from specdraft.verify.greedy import greedy_verify
 from specdraft.verify.rejection import pad_vocab, rejection_verify
-from specdraft.verify.sampling import SamplingParams, logits_to_probs
+from specdraft.verify.sampling import SamplingParams, logits_to_probs, sampling_key
 from specdraft.verify.tree import greedy_tree_verify, tree_rejection_verify
 
 
@@ -77,18 +77,23 @@ def verify_batch(
             n = int(run[i])
             accepted[b], emitted[b] = list(range(n)), argmax[i, :n + 1].tolist()
 
+    # Sampled chains, verified together where they share a draft length, sampling filters and kind of
+    # draft: one vectorized call per group, each row drawing from its own generator as it would alone.
+    groups: dict[tuple, list[int]] = {}
     for b in chains:
-        if params[b].greedy:
-            continue
-        k = lengths[b]
-        target_probs = logits_to_probs(target_logits[b, :k + 1], params[b])
-        probs = draft_probs[b]
-        if probs is not None and k:
-            probs = pad_vocab(probs[:k], target_probs.shape[-1])[None]
-        tokens = torch.tensor([list(draft_tokens[b])], dtype=torch.long).reshape(1, k)
-        run, out = rejection_verify(tokens, probs if k else None, target_probs[None], generators[b])
-        n = int(run[0])
-        accepted[b], emitted[b] = list(range(n)), out[0, :n + 1].tolist()
+        if not params[b].greedy:
+            key = (lengths[b], draft_probs[b] is None or not lengths[b], *sampling_key(params[b]))
+            groups.setdefault(key, []).append(b)
+    for (k, deterministic, *_), rows in groups.items():
+        target_probs = logits_to_probs(target_logits[rows, :k + 1], params[rows[0]])
+        probs = None
+        if not deterministic:
+            probs = torch.stack([pad_vocab(draft_probs[b][:k], target_probs.shape[-1]) for b in rows])
+        tokens = torch.tensor([list(draft_tokens[b]) for b in rows], dtype=torch.long).reshape(len(rows), k)
+        run, out = rejection_verify(tokens, probs, target_probs, [generators[b] for b in rows])
+        for i, b in enumerate(rows):
+            n = int(run[i])
+            accepted[b], emitted[b] = list(range(n)), out[i, :n + 1].tolist()
     return accepted, emitted
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.verify.sampling import sample
+from specdraft.verify.sampling import Generators, sample, uniforms
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ def rejection_verify(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify K sampled draft tokens per row; lossless with respect to `target_probs`.
 
@@ -61,7 +61,8 @@ def rejection_verify(
 
     Returns `(accepted_len [B], out_tokens [B, K+1])` (int64); the caller emits
     `out_tokens[b, :accepted_len[b] + 1]`, later entries are padding. All randomness comes from `generator`
-    (one uniform per draft token, then one `sample` call), so a seeded generator reproduces the result.
+    (one uniform per draft token, then one `sample` call), so a seeded generator reproduces the result; with one
+    generator per row (a sequence of B), each row draws from its own exactly what it draws verified alone.
     No host sync.
     """
     if draft_tokens.dim() != 2 or target_probs.dim() != 3:
@@ -96,7 +97,7 @@ def rejection_verify(
 
     # u < target/draft written without the division: no 0/0 for tokens the draft could not have produced,
     # and target == draft accepts with certainty since u < 1.
-    uniform = torch.rand(batch, num_draft, device=device, generator=generator)
+    uniform = uniforms((batch, num_draft), generator, device=device)
     accepted = uniform * draft_tok < target_tok
     accepted_len = accepted.long().cumprod(-1).sum(-1)  # leading run of acceptances
 

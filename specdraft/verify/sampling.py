@@ -15,7 +15,8 @@ import torch
 
 from specdraft.errors import InvalidParameterError
 
-__all__ = ["InvalidParameterError", "SamplingParams", "logits_to_probs", "sample"]
+__all__ = ["Generators", "InvalidParameterError", "SamplingParams", "logits_to_probs", "sample", "sample_rows",
+           "uniforms"]
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -93,8 +94,24 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` (last dim = vocab; rows need not sum to 1), reproducible under `generator`.
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def uniforms(shape: tuple[int, ...], generator: Generators, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform [0, 1) draws of `shape`, from one generator, or one per row (`shape[0]` generators): row b's
+    values are what `torch.rand(shape[1:], generator=generator[b])` draws, so a request batched with others
+    draws exactly what it draws alone."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, dtype=dtype, device=device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} generators for {shape[0]} rows")
+    return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype, device=device) for g in generator])
+
+
+def sample(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+    """One token per row of `probs` (last dim = vocab; rows need not sum to 1), reproducible under `generator`
+    (one generator, or one per row of a 2-d `probs`).
 
     Inverse CDF: one uniform draw per row, located in the cumulative sum. The sum is taken in float64, so its
     rounding (about 1e-16 of the mass) is far below anything a sample could reveal; a token of probability 0
@@ -102,6 +119,34 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     cost 1.1 ms per row of SmolLM2's 49k vocabulary, this about 0.1 ms.
     """
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=torch.float64, device=probs.device)
+    u = uniforms(cdf.shape[:-1] + (1,), generator, torch.float64, probs.device)
     index = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def sampling_key(params: SamplingParams) -> tuple:
+    """What `logits_to_probs` reads of `params`: rows with equal keys share one vectorized call."""
+    return params.temperature, params.top_k, params.top_p, params.min_p
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One token per row of `logits` [B, V], row b under its own `params[b]` and `generators[b]`: the argmax
+    for greedy rows, else a draw from `logits_to_probs`. Returns the tokens and each row's distribution (None
+    where greedy). Rows with the same sampling filters go through one vectorized call, each drawing from its
+    own generator exactly what it draws alone (the per-request Python work dominates small batches)."""
+    tokens: list[int] = [0] * len(params)
+    dists: list[torch.Tensor | None] = [None] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(params):
+        groups.setdefault(sampling_key(p), []).append(b)
+    for rows in groups.values():
+        if params[rows[0]].greedy:
+            for b, token in zip(rows, logits[rows].argmax(-1).tolist(), strict=True):
+                tokens[b] = token
+            continue
+        probs = logits_to_probs(logits[rows], params[rows[0]])
+        for i, (b, token) in enumerate(zip(rows, sample(probs, [generators[b] for b in rows]).tolist(),
+                                           strict=True)):
+            tokens[b], dists[b] = token, probs[i]
+    return tokens, dists
