@@ -454,6 +454,14 @@ def test_bench_serve_client_measures_a_live_server(server):
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
 
 
+def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):
+    """The concurrency-1 reference of `bench-serve`: the same greedy requests on an engine called directly."""
+    from specdraft.bench.serve_bench import _direct_level
+
+    row = _direct_level(make_engine(target, tokenizer, max_batch=1, drafter=False), tokenizer, ["abc", "hello"], 6)
+    assert row["mode"] == "direct" and row["output_tokens"] == 12 and row["throughput_tok_s"] > 0
+
+
 # ---------------------------------------------------------------------------------------- the bundled model
 
 

@@ -3,7 +3,9 @@
 For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
 the suite's first turns (greedy, `ignore_eos` so every answer is `--max-tokens` long), against the same model
 served twice in this process: plain decoding and the drafter. Levels run interleaved (plain, then speculative,
-per level) so machine noise hits both alike. Reported per level and mode, as vLLM's `benchmark_serving` does:
+per level) so machine noise hits both alike. At concurrency 1 the same requests also run on an engine called
+directly (`direct`, what `LLM.generate` does), so the server's own cost is measured in the same run.
+Reported per level and mode, as vLLM's `benchmark_serving` does:
 
 - throughput: output tokens / wall time of the level, and requests / s;
 - TTFT: request sent -> first content event; TPOT: (last - first event) / (output tokens - 1);
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from specdraft.config import arg_draft_length, arg_int_in
+from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 
 
 def _levels(text: str) -> list[int]:
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="benchmark this running server instead (e.g. "
                                                     "http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     parser.add_argument("--out", default="bench-out/serve")
 
 
@@ -161,14 +164,29 @@ def _servers(args: argparse.Namespace, max_batch: int):
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     stack = ExitStack()
-    target = load_model(args.model)
+    target = load_model(args.model, dtype=target_dtype(args.dtype, args.speculative_model))
     tokenizer = load_tokenizer(args.model)
     plain = build_engine(target, tokenizer, None, 0, max_batch=max_batch)
     spec = build_engine(target, tokenizer, args.speculative_model, args.num_speculative_tokens,
                         max_batch=max_batch)
     urls = {"plain": stack.enter_context(_served(plain, tokenizer, args.model)),
             args.speculative_model: stack.enter_context(_served(spec, tokenizer, args.model))}
-    return stack, urls
+    direct = build_engine(target, tokenizer, None, 0)
+    return stack, urls, lambda prompts, max_tokens: _direct_level(direct, tokenizer, prompts, max_tokens)
+
+
+def _direct_level(engine: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
+    """The same requests, one at a time, on an engine called in this process (what `LLM.generate` runs),
+    with no server in between: the reference for the server's cost at concurrency 1."""
+    from specdraft.verify.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += len(engine.generate(tokenizer.prompt_ids(prompt, chat=tokenizer.has_chat_template), params).token_ids)
+    wall = time.perf_counter() - start
+    return {"mode": "direct", "concurrency": 1, "requests": len(prompts), "errors": 0, "output_tokens": tokens,
+            "duration_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else None}
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -180,13 +198,15 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     prompts_all = [q.turns[0] for q in load_suite(args.suite)]
     levels = args.concurrency
+    direct = None
     if args.url:
         from contextlib import ExitStack
 
         stack, urls = ExitStack(), {"external": args.url.rstrip("/")}
     else:
-        stack, urls = _servers(args, max(levels))
+        stack, urls, direct = _servers(args, max(levels))
     rows: list[dict[str, Any]] = []
+    overhead = None
     with stack:
         for url in urls.values():  # warm-up: kernels, caches, the first prefill
             asyncio.run(_run_level(url, args.model, prompts_all[:1], 1, 4, args.api_key))
@@ -198,11 +218,17 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                        args.api_key))
                 rows.append(summarize(mode, concurrency, results, wall))
                 _print_row(rows[-1])
+            if concurrency == 1 and direct is not None:
+                rows.append(direct(prompts, args.max_tokens))
+                served = next(r for r in rows if r["mode"] == "plain" and r["concurrency"] == 1)
+                overhead = served["duration_s"] / rows[-1]["duration_s"] - 1
+                print(f"direct     c=1   {_fmt(rows[-1]['throughput_tok_s'])} tok/s  (the engine without the "
+                      f"server: the server costs {overhead:+.1%} at concurrency 1)", flush=True)
     out = {"header": {**header(), "model": args.model},
            "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": args.requests,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
                       "suite": args.suite or "bundled mini suite", "url": args.url},
-           "results": rows}
+           "results": rows, "server_overhead_c1": overhead}
     print("\n".join(header_lines(out["header"])))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +261,7 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     panels = [("throughput_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
     for ax, (key, label) in zip(axes, panels):
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            points = [(r["concurrency"], r[key]) for r in rows if r["mode"] == mode and r[key] is not None]
+            points = [(r["concurrency"], r[key]) for r in rows if r["mode"] == mode and r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=mode)
         ax.set_xscale("log", base=2)

@@ -9,7 +9,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
-DRAFTER_HELP = ("auto | ngram | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
+DRAFTER_HELP = ("auto | ngram | suffix | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
                 "draft:MODEL_REF | MODEL_REF (eagle / medusa alone: the head shipped for the target; auto: the "
                 "shipped head that measured fastest, else ngram)")
 
@@ -19,7 +19,8 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     """Build a drafter from its spec string (`auto`, `ngram`, `quant:int4`, `self:8`, `eagle[:DIR]`,
     `medusa[:DIR]`, `draft:REF` or a model ref) for up to `max_batch` concurrent requests.
 
-    options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; model drafters:
+    options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; suffix: those and the shared
+    cache's max_tokens, cache_min_n, cache_max_n; model drafters:
     min_confidence; quant: group_size). Unknown options are an error.
     """
     options = dict(options or {})
@@ -46,6 +47,14 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
             opts.setdefault("max_n", _int_arg(spec, arg))
         try:
             return NgramDrafter(**opts)
+        except ValueError as exc:
+            raise SpecdraftError(str(exc)) from exc
+    if kind == "suffix":
+        from specdraft.drafters.suffix import SuffixDrafter
+
+        opts = take({"max_n", "min_n", "max_occurrences", "max_tokens", "cache_min_n", "cache_max_n"})
+        try:
+            return SuffixDrafter(**opts)
         except ValueError as exc:
             raise SpecdraftError(str(exc)) from exc
     if kind == "quant":

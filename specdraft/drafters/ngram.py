@@ -152,46 +152,51 @@ class NgramIndex:
             return Proposal([])
         if max_nodes <= max_depth:
             return Proposal(self.lookup(max_nodes))
-        found = self.continuations(max_depth)
-        if len(found) <= 1:
-            return Proposal(found[0][0] if found else [])
+        return tree_from_continuations(self.continuations(max_depth), max_nodes)
 
-        # The trie: node_tokens[i], node_parents[i], scores[i], children[i] (token -> node); ROOT's children in
-        # root_children. Node ids follow insertion order, so the first continuation (the chain) is 0, 1, ...
-        node_tokens: list[int] = []
-        node_parents: list[int] = []
-        scores: list[float] = []
-        children: list[dict[int, int]] = []
-        root_children: dict[int, int] = {}
-        for continuation, weight in found:
-            parent, kids = ROOT, root_children
-            for token in continuation:
-                node = kids.get(token)
-                if node is None:
-                    node = kids[token] = len(node_tokens)
-                    node_tokens.append(token)
-                    node_parents.append(parent)
-                    scores.append(0.0)
-                    children.append({})
-                scores[node] += weight
-                parent, kids = node, children[node]
 
-        chain_len = len(found[0][0])
-        picked = list(range(chain_len))
-        # Frontier: the chain's off-chain children (the chain's tip stays a leaf). Ties go to the earlier node,
-        # i.e. the one from the longer or more recent match.
-        frontier = [(-scores[c], c) for c in root_children.values() if c != 0]
-        frontier += [(-scores[c], c) for node in range(chain_len - 1) for c in children[node].values() if c != node + 1]
-        heapq.heapify(frontier)
-        while frontier and len(picked) < max_nodes:
-            _, node = heapq.heappop(frontier)
-            picked.append(node)
-            for child in children[node].values():
-                heapq.heappush(frontier, (-scores[child], child))
+def tree_from_continuations(found: Sequence[tuple[list[int], float]], max_nodes: int) -> Proposal:
+    """The draft tree of `NgramIndex.lookup_tree` from (continuation, evidence weight) pairs, best first: the
+    first continuation is the chain, the rest branch off it where the trie's summed weights are highest."""
+    if len(found) <= 1:
+        return Proposal(found[0][0] if found else [])
 
-        position = {node: i for i, node in enumerate(picked)}
-        return Proposal([node_tokens[node] for node in picked], None,
-                        [ROOT if node_parents[node] == ROOT else position[node_parents[node]] for node in picked])
+    # The trie: node_tokens[i], node_parents[i], scores[i], children[i] (token -> node); ROOT's children in
+    # root_children. Node ids follow insertion order, so the first continuation (the chain) is 0, 1, ...
+    node_tokens: list[int] = []
+    node_parents: list[int] = []
+    scores: list[float] = []
+    children: list[dict[int, int]] = []
+    root_children: dict[int, int] = {}
+    for continuation, weight in found:
+        parent, kids = ROOT, root_children
+        for token in continuation:
+            node = kids.get(token)
+            if node is None:
+                node = kids[token] = len(node_tokens)
+                node_tokens.append(token)
+                node_parents.append(parent)
+                scores.append(0.0)
+                children.append({})
+            scores[node] += weight
+            parent, kids = node, children[node]
+
+    chain_len = len(found[0][0])
+    picked = list(range(chain_len))
+    # Frontier: the chain's off-chain children (the chain's tip stays a leaf). Ties go to the earlier node,
+    # i.e. the one from the longer or more recent match.
+    frontier = [(-scores[c], c) for c in root_children.values() if c != 0]
+    frontier += [(-scores[c], c) for node in range(chain_len - 1) for c in children[node].values() if c != node + 1]
+    heapq.heapify(frontier)
+    while frontier and len(picked) < max_nodes:
+        _, node = heapq.heappop(frontier)
+        picked.append(node)
+        for child in children[node].values():
+            heapq.heappush(frontier, (-scores[child], child))
+
+    position = {node: i for i, node in enumerate(picked)}
+    return Proposal([node_tokens[node] for node in picked], None,
+                    [ROOT if node_parents[node] == ROOT else position[node_parents[node]] for node in picked])
 
 
 class NgramDrafter:
