@@ -54,8 +54,8 @@ def test_continuations_stop_at_the_end_of_their_request():
     cache = SuffixCache()
     cache.add([1, 2, 3, 4])
     cache.add([9, 9, 9, 9])
-    found = cache.continuations([7, 3, 4], 5)
-    assert found == [] or all(SEPARATOR not in c and 9 not in c for c, _ in found)
+    assert cache.continuations([7, 3, 4], 5) == []  # "3 4" ends its request: nothing follows it there
+    assert cache.continuations([7, 2, 3], 5) == [([4], 4.0)]  # not [4, SEPARATOR, 9, ...]
     assert cache.continuations([1, 2], 10)[0][0] == [3, 4]
 
 
@@ -71,11 +71,16 @@ def test_trees_merge_candidates_from_both_sources():
 def test_the_cache_stays_within_its_budget_and_evicts_the_oldest_requests():
     cache = SuffixCache(max_tokens=100, min_n=2, max_n=3)
     rng = random.Random(0)
-    for i in range(40):
-        cache.add([1000 + i] + [rng.randrange(50) for _ in range(rng.randrange(3, 30))])
+    requests = [[1000 + i] + [rng.randrange(50) for _ in range(rng.randrange(3, 30))] for i in range(40)]
+    assert cache.continuations(requests[0][:2], 1) == []
+    cache.add(requests[0])
+    assert cache.continuations(requests[0][:2], 1) == [(requests[0][2:3], 4.0)]
+    for r in requests[1:]:
+        cache.add(r)
         assert cache.num_tokens <= 100
     assert cache.num_requests < 40
-    assert cache.continuations([1000, 0], 3) == [] or cache.num_requests == 40  # the first request is gone
+    assert cache.continuations(requests[0][:2], 1) == []  # token 1000 exists only in the first request: evicted
+    assert cache.continuations(requests[-1][:2], 1)[0][0] == requests[-1][2:3]  # the newest is kept
     latest = [2000, 2001, 2002, 2003]
     cache.add(latest)
     assert cache.continuations([2000, 2001], 2)[0][0] == [2002, 2003]
