@@ -423,6 +423,33 @@ def test_parse_methods_and_peers():
         parse_peers("vllm")
 
 
+def test_repeats_of_a_prompt_start_from_the_same_suffix_cache():
+    """A suffix-cache method must not draft a repeat from its own earlier answer to the same prompt: every
+    repeat of a question sees the cache as the first repeat did, and later questions see all earlier ones."""
+    from types import SimpleNamespace
+
+    from specdraft.drafters.suffix import SuffixCache
+
+    class CachingMethod(FakeMethod):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.engine = SimpleNamespace(drafter=SimpleNamespace(cache=SuffixCache()))
+            self.seen: list[int] = []
+
+        def run(self, prompt_ids, params):
+            cache = self.engine.drafter.cache
+            self.seen.append(cache.num_requests)
+            cache.add(list(prompt_ids) + [7, 8, 9])
+            return super().run(prompt_ids, params)
+
+    calls: list = []
+    method = CachingMethod("suffix", calls, "S")
+    run_suite([FakeMethod("plain", calls, "P"), method], [_q(1, "qa"), _q(2, "qa")],
+              PromptBuilder(FakeTokenizer(True)), SamplingParams(temperature=0, max_tokens=4), repeats=3,
+              progress=False)
+    assert method.seen == [0, 0, 0, 1, 1, 1]
+
+
 def test_methods_on_the_target_in_another_dtype():
     """`NAME@gguf` runs NAME on the GGUF-native target; its plain baseline `plain@gguf` is added before it."""
     assert parse_methods("ngram,ngram@gguf,eagle+tree8@gguf") == [

@@ -97,9 +97,15 @@ def test_rebuilt_index_matches_a_fresh_cache_of_the_same_requests():
     fresh = SuffixCache(max_tokens=120, min_n=2, max_n=4)
     for r in list(cache._requests):
         fresh.add(r)
-    for _ in range(50):
-        ctx = [rng.randrange(6) for _ in range(5)]
+    contexts = [[rng.randrange(6) for _ in range(5)] for _ in range(50)]
+    for ctx in contexts:
         assert cache.continuations(ctx, 4) == fresh.continuations(ctx, 4)
+    # snapshot / restore (what a benchmark does between repeats of a prompt) gives back the same index
+    saved = cache.snapshot()
+    for r in requests[:10]:
+        cache.add(r)
+    cache.restore(saved)
+    assert [cache.continuations(c, 4) for c in contexts] == [fresh.continuations(c, 4) for c in contexts]
 
 
 def test_concurrent_adds_and_lookups_keep_the_cache_consistent():

@@ -264,6 +264,14 @@ def warm_up(methods: Sequence, questions: Sequence[Question], build: PromptBuild
             _peer_failed(exc, m, methods, "warm-up", failed)
 
 
+def shared_cache(method):
+    """The cross-request `SuffixCache` of a method's drafter, if it has one."""
+    from specdraft.drafters.suffix import SuffixCache
+
+    cache = getattr(getattr(getattr(method, "engine", None), "drafter", None), "cache", None)
+    return cache if isinstance(cache, SuffixCache) else None
+
+
 def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable, params: SamplingParams,
               repeats: int, seed: int = 0, progress: bool = True, failed: list[dict] | None = None) -> Runs:
     """Run every method on every turn of every question, `repeats` times, interleaved per question.
@@ -274,10 +282,20 @@ def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable,
     from specdraft.bench.peers import PeerFailed
 
     def conversation(m) -> Callable:
+        cache = shared_cache(m)
+        before: list = []
+
         def run(q: Question, repeat: int) -> list[dict] | None:
-            """All turns of one question; each turn's prompt carries the method's own earlier answers."""
+            """All turns of one question; each turn's prompt carries the method's own earlier answers. A
+            drafter's cache of earlier requests is reset to its state before the question's first repeat, so
+            a repeat is never drafted from its own earlier answer."""
             if failed and m.name in failed_names(failed):
                 return None
+            if cache is not None:
+                if repeat == 0:
+                    before[:] = [cache.snapshot()]
+                else:
+                    cache.restore(before[0])
             answers: list[str] = []
             turns = []
             for ti in range(len(q.turns)):

@@ -77,6 +77,18 @@ class SuffixCache:
             index.reset()
             index.sync([t for r in self._requests for t in (*r, SEPARATOR)])
 
+    def snapshot(self) -> tuple[tuple[int, ...], ...]:
+        """The cached requests, to `restore` later (a benchmark repeats a prompt from the same state, so a
+        repeat is not drafted from its own earlier answer)."""
+        with self._lock:
+            return tuple(tuple(r) for r in self._requests)
+
+    def restore(self, snapshot: tuple[tuple[int, ...], ...]) -> None:
+        with self._lock:
+            self._requests = deque(list(r) for r in snapshot)
+            self._index.reset()
+            self._index.sync([t for r in self._requests for t in (*r, SEPARATOR)])
+
     def continuations(self, context: Sequence[int], max_depth: int) -> list[tuple[list[int], float]]:
         """(continuation, evidence weight) for each cached occurrence of a suffix of `context`, longest match
         first, then most recent first; continuations stop at the end of their request."""
