@@ -452,6 +452,15 @@ def test_bench_serve_client_measures_a_live_server(server):
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
+    # bench-serve runs its clients in a worker process, out of the server's GIL
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from specdraft.bench.serve_bench import _run_level_sync
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results, _ = pool.submit(_run_level_sync, url, NAME, ["abc"], 1, 4, None).result()
+    assert [r["tokens"] for r in results] == [4]
 
 
 def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):
