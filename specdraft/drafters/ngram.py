@@ -63,9 +63,13 @@ class NgramIndex:
         rather than silently corrupted."""
         if len(context) < len(self.tokens):
             self.reset()
+        self.extend(context[len(self.tokens):])
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Append tokens to the copy and index what they complete (`sync` without handing in the whole
+        context again)."""
         tokens = self.tokens
-        for i in range(len(tokens), len(context)):
-            tokens.append(int(context[i]))
+        tokens.extend(int(t) for t in new_tokens)
         # Index n-grams ending at j for every j that now has a continuation (j <= len - 2).
         for j in range(self.indexed_upto, len(tokens) - 1):
             for n, table in self.tables.items():
@@ -105,10 +109,13 @@ class NgramIndex:
                 return tokens[end + 1 : min(end + 1 + max_k, length)]
         return []
 
-    def continuations(self, max_depth: int) -> list[tuple[list[int], float]]:
+    def continuations(self, max_depth: int, query: Sequence[int] | None = None,
+                      stop: int | None = None) -> list[tuple[list[int], float]]:
         """(continuation, evidence weight) of every distinct occurrence of a suffix n-gram: longest n first,
         then most recent first, each continuation at most `max_depth` tokens and stopping at the end of the
-        context as in `lookup`, so the first one is exactly `lookup(max_depth)`.
+        context as in `lookup`, so the first one is exactly `lookup(max_depth)`. With `query`, the suffixes
+        are those of `query` instead of the indexed context (a lookup in someone else's index), and a
+        continuation also ends before any `stop` token; empty continuations are left out.
 
         An occurrence of the n-suffix is also one of every shorter suffix; it is counted once, with its
         longest n, because it is one piece of evidence. The weight grows exponentially with n because a long
@@ -117,16 +124,20 @@ class NgramIndex:
         shorter one together.
         """
         tokens, length = self.tokens, len(self.tokens)
+        suffix = tokens if query is None else [int(t) for t in query[-self.max_n:]]
         seen: set[int] = set()
         found: list[tuple[list[int], float]] = []
         for n in sorted(self.tables, reverse=True):
-            if n > length:
+            if n > len(suffix):
                 continue
-            for rank, end in enumerate(self.occurrences(tokens[length - n :])):
+            for rank, end in enumerate(self.occurrences(suffix[len(suffix) - n :])):
                 if end not in seen:
                     seen.add(end)
-                    weight = self.MATCH_BASE**n * self.RECENCY_DECAY**rank
-                    found.append((tokens[end + 1 : min(end + 1 + max_depth, length)], weight))
+                    continuation = tokens[end + 1 : min(end + 1 + max_depth, length)]
+                    if stop is not None and stop in continuation:
+                        continuation = continuation[: continuation.index(stop)]
+                    if continuation:
+                        found.append((continuation, self.MATCH_BASE**n * self.RECENCY_DECAY**rank))
         return found
 
     def lookup_tree(self, max_depth: int, max_nodes: int) -> Proposal:
@@ -214,13 +225,13 @@ class NgramDrafter:
     def __init__(self, max_n: int = 3, min_n: int = 1, name: str = "ngram", max_occurrences: int = 8) -> None:
         for label, value in (("max_n", max_n), ("min_n", min_n), ("max_occurrences", max_occurrences)):
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"NgramDrafter: {label} must be an integer, got {value!r}")
+                raise ValueError(f"{type(self).__name__}: {label} must be an integer, got {value!r}")
         if min_n < 1:
-            raise ValueError(f"NgramDrafter: min_n must be >= 1, got {min_n}")
+            raise ValueError(f"{type(self).__name__}: min_n must be >= 1, got {min_n}")
         if max_n < min_n:
-            raise ValueError(f"NgramDrafter: max_n must be >= min_n, got max_n={max_n}, min_n={min_n}")
+            raise ValueError(f"{type(self).__name__}: max_n must be >= min_n, got max_n={max_n}, min_n={min_n}")
         if max_occurrences < 1:
-            raise ValueError(f"NgramDrafter: max_occurrences must be >= 1, got {max_occurrences}")
+            raise ValueError(f"{type(self).__name__}: max_occurrences must be >= 1, got {max_occurrences}")
         self.name = name
         self.max_n = max_n
         self.min_n = min_n
@@ -238,18 +249,19 @@ class NgramDrafter:
         the drafter proposed before trees existed), otherwise a tree from `NgramIndex.lookup_tree`."""
         budgets: Sequence[int | None] = [None] * len(request_ids) if max_nodes is None else max_nodes
         if len(budgets) != len(request_ids):
-            raise ValueError(f"NgramDrafter: {len(budgets)} node budgets for {len(request_ids)} requests")
+            raise ValueError(f"{type(self).__name__}: {len(budgets)} node budgets for {len(request_ids)} requests")
         proposals = []
         for request_id, context, max_k, budget in zip(request_ids, contexts, max_ks, budgets):
             index = self._indexes[request_id]
             index.sync(context)
-            if max_k <= 0:
-                proposals.append(Proposal([]))
-            elif budget is None or budget == max_k:
-                proposals.append(Proposal(index.lookup(max_k)))
-            else:
-                proposals.append(index.lookup_tree(max_k, budget))
+            proposals.append(Proposal([]) if max_k <= 0 else self._propose_one(index, context, max_k, budget))
         return proposals
+
+    def _propose_one(self, index: NgramIndex, context: Sequence[int], max_k: int, budget: int | None) -> Proposal:
+        """One request's draft from its synced index (max_k >= 1)."""
+        if budget is None or budget == max_k:
+            return Proposal(index.lookup(max_k))
+        return index.lookup_tree(max_k, budget)
 
     def observe(self, request_id: int, verified: Verified) -> None:
         """Indexing here keeps `propose` cheap; the new context says it all."""

@@ -19,8 +19,8 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from specdraft.drafters.base import DraftRequest, Proposal, Verified
-from specdraft.drafters.ngram import NgramIndex, tree_from_continuations
+from specdraft.drafters.base import Proposal
+from specdraft.drafters.ngram import NgramDrafter, NgramIndex, tree_from_continuations
 
 # Ends each cached request in the cache's token stream: no real token equals it, so no n-gram match spans two
 # requests and a continuation stops at its request's end.
@@ -67,15 +67,18 @@ class SuffixCache:
             return  # no n-gram with a continuation
         with self._lock:
             self._requests.append(tokens)
-            index = self._index
-            if len(index.tokens) + len(tokens) + 1 <= self.max_tokens:
-                index.sync(index.tokens + tokens + [SEPARATOR])
+            if len(self._index.tokens) + len(tokens) + 1 <= self.max_tokens:
+                self._index.extend([*tokens, SEPARATOR])
                 return
             total = sum(len(r) + 1 for r in self._requests)
             while total > self.max_tokens * 3 // 4 and len(self._requests) > 1:
                 total -= len(self._requests.popleft()) + 1
-            index.reset()
-            index.sync([t for r in self._requests for t in (*r, SEPARATOR)])
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Index exactly the cached requests (the caller holds the lock)."""
+        self._index.reset()
+        self._index.extend([t for r in self._requests for t in (*r, SEPARATOR)])
 
     def snapshot(self) -> tuple[tuple[int, ...], ...]:
         """The cached requests, to `restore` later (a benchmark repeats a prompt from the same state, so a
@@ -86,86 +89,40 @@ class SuffixCache:
     def restore(self, snapshot: tuple[tuple[int, ...], ...]) -> None:
         with self._lock:
             self._requests = deque(list(r) for r in snapshot)
-            self._index.reset()
-            self._index.sync([t for r in self._requests for t in (*r, SEPARATOR)])
+            self._rebuild()
 
     def continuations(self, context: Sequence[int], max_depth: int) -> list[tuple[list[int], float]]:
         """(continuation, evidence weight) for each cached occurrence of a suffix of `context`, longest match
         first, then most recent first; continuations stop at the end of their request."""
         if max_depth <= 0:
             return []
-        tail = [int(t) for t in context[-self._index.max_n:]]
-        found: list[tuple[list[int], float]] = []
         with self._lock:
-            index, seen = self._index, set()
-            stream = index.tokens
-            for n in range(min(index.max_n, len(tail)), index.min_n - 1, -1):
-                for rank, end in enumerate(index.occurrences(tail[len(tail) - n:])):
-                    if end in seen:
-                        continue
-                    seen.add(end)
-                    continuation = stream[end + 1:end + 1 + max_depth]
-                    if SEPARATOR in continuation:
-                        continuation = continuation[:continuation.index(SEPARATOR)]
-                    if continuation:
-                        found.append((continuation, index.MATCH_BASE**n * index.RECENCY_DECAY**rank))
-        return found
+            return self._index.continuations(max_depth, query=context, stop=SEPARATOR)
 
 
-class SuffixDrafter:
+class SuffixDrafter(NgramDrafter):
     """Drafts from the longest, most recent earlier occurrence of the current suffix in the request's own
-    context or in the shared `SuffixCache`; trees merge the candidates of both. A request's tokens enter the
-    cache when it is removed (finished or cancelled)."""
-
-    hidden_layers: tuple[int, ...] = ()
+    context (an `NgramDrafter` index per request) or in the shared `SuffixCache`; trees merge the candidates
+    of both. A request's tokens enter the cache when it is removed (finished or cancelled)."""
 
     def __init__(self, cache: SuffixCache | None = None, max_n: int = 3, min_n: int = 1, max_occurrences: int = 8,
                  name: str = "suffix", max_tokens: int = 32768, cache_min_n: int = 2, cache_max_n: int = 6) -> None:
         """max_n, min_n, max_occurrences: the request's own index (as `ngram`); max_tokens, cache_min_n,
         cache_max_n: the shared cache's, when `cache` is not given."""
-        for label, value in (("max_n", max_n), ("min_n", min_n), ("max_occurrences", max_occurrences)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SuffixDrafter: {label} must be a positive integer, got {value!r}")
-        if max_n < min_n:
-            raise ValueError(f"SuffixDrafter: max_n must be >= min_n, got max_n={max_n}, min_n={min_n}")
-        self.name = name
+        super().__init__(max_n, min_n, name, max_occurrences)
         self.cache = cache if cache is not None else SuffixCache(max_tokens, cache_min_n, cache_max_n,
                                                                  max_occurrences)
-        self.min_n, self.max_n, self.max_occurrences = min_n, max_n, max_occurrences
-        self._indexes: dict[int, NgramIndex] = {}
 
-    def add_request(self, request: DraftRequest) -> None:
-        index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n, self.max_occurrences)
-        index.sync(request.prompt_ids)
-
-    def candidates(self, request_id: int, context: Sequence[int], max_depth: int) -> list[tuple[list[int], float]]:
-        """Both sources' (continuation, weight) pairs, best first: the request's own on equal weight."""
-        index = self._indexes[request_id]
-        index.sync(context)
-        found = index.continuations(max_depth) + self.cache.continuations(context, max_depth)
-        return sorted(found, key=lambda pair: -pair[1])  # stable: own-context candidates win ties
-
-    def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
-                max_nodes: Sequence[int | None] | None = None) -> list[Proposal]:
-        budgets: Sequence[int | None] = [None] * len(request_ids) if max_nodes is None else max_nodes
-        if len(budgets) != len(request_ids):
-            raise ValueError(f"SuffixDrafter: {len(budgets)} node budgets for {len(request_ids)} requests")
-        proposals = []
-        for request_id, context, max_k, budget in zip(request_ids, contexts, max_ks, budgets, strict=True):
-            if max_k <= 0:
-                proposals.append(Proposal([]))
-                continue
-            found = self.candidates(request_id, context, max_k)
-            if budget is None or budget <= max_k:
-                proposals.append(Proposal(found[0][0][:budget or max_k] if found else []))
-            else:
-                proposals.append(tree_from_continuations(found, budget))
-        return proposals
-
-    def observe(self, request_id: int, verified: Verified) -> None:
-        self._indexes[request_id].sync(verified.context)
+    def _propose_one(self, index: NgramIndex, context: Sequence[int], max_k: int, budget: int | None) -> Proposal:
+        # Both sources' candidates, best first; sorting is stable, so the request's own win ties.
+        found = sorted(index.continuations(max_k) + self.cache.continuations(context, max_k),
+                       key=lambda pair: -pair[1])
+        if budget is None or budget <= max_k:
+            return Proposal(found[0][0][:budget or max_k] if found else [])
+        return tree_from_continuations(found, budget)
 
     def remove_request(self, request_id: int) -> None:
-        index = self._indexes.pop(request_id, None)
+        index = self._indexes.get(request_id)
         if index is not None:
             self.cache.add(index.tokens)
+        super().remove_request(request_id)

@@ -141,11 +141,12 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     for b, p in enumerate(params):
         groups.setdefault(sampling_key(p), []).append(b)
     for rows in groups.values():
+        group = logits if len(rows) == len(params) else logits[rows]  # no copy when all rows share one group
         if params[rows[0]].greedy:
-            for b, token in zip(rows, logits[rows].argmax(-1).tolist(), strict=True):
+            for b, token in zip(rows, group.argmax(-1).tolist(), strict=True):
                 tokens[b] = token
             continue
-        probs = logits_to_probs(logits[rows], params[rows[0]])
+        probs = logits_to_probs(group, params[rows[0]])
         for i, (b, token) in enumerate(zip(rows, sample(probs, [generators[b] for b in rows]).tolist(),
                                            strict=True)):
             tokens[b], dists[b] = token, probs[i]
