@@ -118,9 +118,10 @@ class EngineWorker:
             if self._stopping.is_set():
                 break
             self._admit()
+            self._publish_state()  # before the round: a request is counted from the moment it is accepted
             if self._running:
                 self._step()
-            self._publish_state()
+                self._publish_state()
         self._shutdown()
 
     def _apply_commands(self, block: bool) -> None:
