@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import shutil
 
 import pytest
@@ -203,24 +204,31 @@ def test_fused_token_tree_node_equals_its_path_decoded(family):
 
 
 def assert_tree_nodes_equal_their_paths(model: Transformer) -> None:
-    prompt = ids(20, 3)
-    # Tree: 0 -> 1 -> 3, 0 -> 2 -> 4; node tokens and parents.
-    tree_tokens = torch.tensor([[7, 11, 13, 17, 19]])
-    parents = [-1, 0, 0, 1, 2]
-    depth = [0, 1, 1, 2, 2]
-    visible = torch.zeros(5, 5, dtype=torch.bool)
-    for node in range(5):
-        a = node
-        while a >= 0:
-            visible[node, a] = True
-            a = parents[a]
-    cache = prefilled(model, prompt)
-    positions = torch.tensor([[20 + d for d in depth]])
-    tree_logits = model(tree_tokens, cache, positions=positions, tree_mask=visible)[0]
-    for leaf, path in ((3, [0, 1, 3]), (4, [0, 2, 4])):
-        path_cache = prefilled(model, prompt)
-        path_logits = model(tree_tokens[:, path], path_cache)[0]
-        assert torch.equal(tree_logits[path], path_logits), f"leaf {leaf}"
+    """A small fixed tree (0 -> 1 -> 3, 0 -> 2 -> 4), then random trees of up to 17 nodes after a longer
+    prompt: many nodes whose ancestors lie apart in the block, so that a sum over a node's visible keys taken
+    by key position, rather than in the order of the keys it sees, changes some bits (it did, on AMX)."""
+    rng = random.Random(0)
+    trees = [(20, [-1, 0, 0, 1, 2])] + [(45 + 6 * t, [-1] + [rng.randrange(i) for i in range(1, n)])
+                                       for t, n in enumerate((9, 13, 17, 17))]
+    for prompt_len, parents in trees:
+        n = len(parents)
+        paths = []
+        for node in range(n):
+            path, a = [], node
+            while a >= 0:
+                path.append(a)
+                a = parents[a]
+            paths.append(path[::-1])
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for node, path in enumerate(paths):
+            visible[node, path] = True
+        prompt, tree_tokens = ids(prompt_len, 3), ids(n, prompt_len)
+        positions = torch.tensor([[prompt_len + len(path) - 1 for path in paths]])
+        tree_logits = model(tree_tokens, prefilled(model, prompt), positions=positions, tree_mask=visible)[0]
+        leaves = [node for node in range(n) if node not in parents]
+        for leaf in leaves:
+            path_logits = model(tree_tokens[:, paths[leaf]], prefilled(model, prompt))[0]
+            assert torch.equal(tree_logits[paths[leaf]], path_logits), f"tree {parents}, leaf {leaf}"
 
 
 @needs_kernels

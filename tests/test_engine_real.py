@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_kernels import assert_tree_nodes_equal_their_paths, needs_kernels
 
 from specdraft.drafters import make_drafter
 from specdraft.engine.adaptive import AdaptiveConfig
@@ -102,6 +103,16 @@ def test_a_request_decodes_the_same_alone_and_beside_seven_others(drafter, dev_p
     assert got == expected
     if drafter:
         assert together.totals.accepted > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_name", list(DRAFTERS))
+@pytest.mark.parametrize("dtype", ["bf16", "gguf"])
+def test_tree_nodes_get_the_bits_of_their_paths_in_the_real_models(model_name, dtype):
+    """Random trees of up to 17 nodes on the real models (30 and 18 layers: a rounding difference anywhere
+    shows in the logits, where the tiny models' few layers can hide it). Caught the AMX attention summing a
+    node's softmax denominator by key position."""
+    assert_tree_nodes_equal_their_paths(load_model(model_name, dtype=dtype, progress=False))
 
 
 @pytest.mark.parametrize("model_name,drafters", [("smollm2-135m", ["ngram", "quant:int8"]),

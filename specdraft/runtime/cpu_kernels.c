@@ -1246,7 +1246,7 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
     const int64_t group = H / Hkv, queries = T * group, qtiles = (queries + 15) / 16;
     const int64_t units = B * Hkv * qtiles, kblocks = (key_len + 15) / 16, stride = kblocks * 16;
     const int64_t words = D / 2; /* uint32 pairs per query or key row */
-    float *scores = malloc((size_t)(16 * stride) * sizeof(float));
+    float *scores = malloc((size_t)(17 * stride) * sizeof(float)), *live_p = scores + 16 * stride;
     uint32_t *packed = malloc((size_t)(16 * words) * sizeof(uint32_t));
     bf16 *kpad = malloc((size_t)(16 * D) * sizeof(bf16));
     float acc[16], inv[16];
@@ -1323,7 +1323,7 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
                 vbest = _mm512_max_ps(vbest, v);
             }
             const float best = _mm512_reduce_max_ps(vbest);
-            __m512 vtotal = _mm512_setzero_ps();
+            int64_t n_live = 0; /* the probabilities of the keys this query sees, in key order, into live_p */
             if (best != -INFINITY) {
                 const __m512 vb = _mm512_set1_ps(best);
                 for (int64_t k = 0; k < key_len; k += 16) {
@@ -1331,11 +1331,20 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
                     const __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
                     const __mmask16 live = lanes & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
                     const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, vb)));
-                    vtotal = _mm512_add_ps(vtotal, p);
+                    _mm512_mask_compressstoreu_ps(live_p + n_live, live, p);
+                    n_live += __builtin_popcount(live);
                     _mm512_mask_storeu_ps(s + k, lanes, p);
                 }
             } else {
                 for (int64_t k = 0; k < key_len; k++) s[k] = 0.0f;
+            }
+            /* The denominator in 16 lanes by rank among the visible keys, not by key position: a tree node's
+             * ancestors sit apart in the block, on its path decoded alone they are adjacent, and the sum
+             * must be the same. */
+            __m512 vtotal = _mm512_setzero_ps();
+            for (int64_t k = 0; k < n_live; k += 16) {
+                const __mmask16 lanes = n_live - k >= 16 ? 0xffff : (__mmask16)((1u << (n_live - k)) - 1);
+                vtotal = _mm512_add_ps(vtotal, _mm512_maskz_loadu_ps(lanes, live_p + k));
             }
             const float total_p = _mm512_reduce_add_ps(vtotal);
             inv[j] = total_p > 0.0f ? 1.0f / total_p : 0.0f;
