@@ -42,6 +42,87 @@ static inline bf16 f2bf(float f) {
     return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
+#ifdef SD_AVX512
+/* f2bf on 16 lanes, bit for bit (integer rounding, not VCVTNEPS2BF16, which flushes denormals). */
+static inline __m256i f2bf_x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* e^x for x <= 0 (scores minus their maximum) on 16 lanes: 2^n p(r), r = x - n ln 2 (ln 2 in two parts),
+ * p of degree 7 with Cephes expf's coefficients (relative error about 2e-7, as libm's expf). The same
+ * operations on every lane: a value depends on its x alone. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is still a normal float; lower would be 0 anyway */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16_masked(const bf16 *p, __mmask16 lanes) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+
+/* act(g) * u on 16 lanes, SiLU or tanh-approximated GELU, through exp512 of a value <= 0: SiLU as
+ * g / (1 + e^-g) (g e^g / (1 + e^g) below 0), tanh(y) as sign(y) (1 - e^-2|y|) / (1 + e^-2|y|). */
+static inline __m512 act_x16(__m512 g, __m512 u, int gelu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 a;
+    if (gelu) {
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), g), g);
+        const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(g, cube));
+        const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
+        const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+        const __m512 signed_th = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign));
+        a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, signed_th));
+    } else {
+        const __m512 t = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        a = _mm512_div_ps(_mm512_mask_mul_ps(g, negative, g, t), _mm512_add_ps(one, t));
+    }
+    return _mm512_mul_ps(a, u);
+}
+
+/* r[i] (row i of a 16 x 16 fp32 matrix) becomes column i, in place: 64 shuffles instead of 256 scalar moves. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(2, 0, 2, 0));
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(3, 1, 3, 1));
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], _MM_SHUFFLE(2, 0, 2, 0));
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+#endif
+
 int sd_has_avx512(void) {
 #ifdef SD_AVX512
     return 1;
@@ -652,12 +733,15 @@ static void amx_store(int tile, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
         default: _tile_stored(3, sums, 64); break;
     }
     const int64_t ni = N - n0 < 16 ? N - n0 : 16, mj = M - m0 < 16 ? M - m0 : 16;
+    const __mmask16 lanes = (__mmask16)((1u << ni) - 1);
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(sums + 16 * i);
+    transpose16(r); /* r[j]: input row m0 + j, its 16 outputs */
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n0)), 16))
+                          : _mm512_setzero_ps();
     for (int64_t j = 0; j < mj; j++)
-        for (int64_t i = 0; i < ni; i++) {
-            float v = sums[i * 16 + j];
-            if (bias) v += bf2f(bias[n0 + i]);
-            y[(m0 + j) * N + n0 + i] = f2bf(v);
-        }
+        _mm256_mask_storeu_epi16(y + (m0 + j) * N + n0, lanes, f2bf_x16(bias ? _mm512_add_ps(r[j], b) : r[j]));
 }
 
 /* y = x @ w^T (+ bias) on tiles, work-shared over pairs of 16-feature weight tiles; K a multiple of 32. Each
@@ -1092,11 +1176,12 @@ static inline void rmsnorm_row(const float *v, const bf16 *w, int64_t dim, float
 }
 
 /* x (the residual stream, updated in place) += [post_norm](h) when h is given; out = norm(x, w).
- * scratch: 3 * dim floats. */
+ * Work-shared over rows (call from every thread of the region). scratch: 3 * dim floats per thread. */
 static void add_rmsnorm(bf16 *x, const bf16 *h, const bf16 *post_w, const bf16 *w, bf16 *out, int64_t rows,
                         int64_t dim, float eps, int gemma, float *scratch) {
     float *v = scratch, *hv = scratch + dim;
     bf16 *hn = (bf16 *)(scratch + 2 * dim);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         bf16 *xr = x + r * dim;
         if (h) {
@@ -1117,7 +1202,7 @@ static void add_rmsnorm(bf16 *x, const bf16 *h, const bf16 *post_w, const bf16 *
 
 /* qkv [rows, H + 2 Hkv, D] from the fused projection. Queries go to q_out [rows, H, D]; keys and values are
  * written into the cache at (slot of the row's sequence, cache_pos[row]). cos/sin [rows, D/2] in fp32
- * (rotate-half convention of Hugging Face checkpoints). scratch: 2 * D floats. */
+ * (rotate-half convention of Hugging Face checkpoints). Work-shared over rows; scratch: 2 * D floats per thread. */
 static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm_w, float eps, int gemma,
                        const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *cache_pos,
                        int64_t T, bf16 *k_cache, bf16 *v_cache, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
@@ -1125,6 +1210,7 @@ static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm
     const int64_t half = D / 2, heads = H + 2 * Hkv;
     float *v = scratch;
     bf16 *normed = (bf16 *)(scratch + D);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_t + r * half, *s = sin_t + r * half;
         const int64_t slot = slots[r / T];
@@ -1194,25 +1280,6 @@ static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
 }
 
 #ifdef SD_AMX
-/* e^x for x <= 0 (scores minus their maximum) on 16 lanes: 2^n p(r), r = x - n ln 2 (ln 2 in two parts),
- * p of degree 7 with Cephes expf's coefficients (relative error about 2e-7, as libm's expf). The same
- * operations on every lane: a value depends on its x alone. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is still a normal float; lower would be 0 anyway */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Key block kb (16 rows of D) of one sequence and kv head; the last, partial one zero-padded into kpad. */
 static inline const bf16 *amx_key_tile(const bf16 *keys, int64_t kb, int64_t key_len, int64_t D, bf16 *kpad) {
     if (kb * 16 + 16 <= key_len) return keys + kb * 16 * D;
@@ -1228,8 +1295,10 @@ static inline void amx_scatter_scores(int tile, float *scores, int64_t stride, i
         _tile_stored(0, sums, 64);
     else
         _tile_stored(6, sums, 64);
-    for (int64_t j = 0; j < nq; j++)
-        for (int k = 0; k < 16; k++) scores[j * stride + kb * 16 + k] = sums[k * 16 + j];
+    __m512 r[16];
+    for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_ps(sums + 16 * k);
+    transpose16(r); /* r[j]: query j's scores for the block's 16 keys */
+    for (int64_t j = 0; j < nq; j++) _mm512_storeu_ps(scores + j * stride + kb * 16, r[j]);
 }
 #endif
 
@@ -1396,6 +1465,20 @@ static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I,
     const int64_t t = 0, nt = 1;
 #endif
     const int64_t lo = rows * I * t / nt, hi = rows * I * (t + 1) / nt;
+#ifdef SD_AVX512
+    /* 16 features at a time (masked at the ends of a row and of the share): every value comes from the same
+     * vector operations wherever it falls. */
+    for (int64_t idx = lo; idx < hi;) {
+        const int64_t r = idx / I, i = idx % I;
+        int64_t n = I - i < hi - idx ? I - i : hi - idx;
+        if (n > 16) n = 16;
+        const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+        const bf16 *g = gate_up + r * 2 * I + i;
+        _mm256_mask_storeu_epi16(out + idx, lanes, f2bf_x16(act_x16(load_bf16x16_masked(g, lanes),
+                                                                     load_bf16x16_masked(g + I, lanes), gelu)));
+        idx += n;
+    }
+#else
     int64_t r = lo / I, i = lo % I;
     for (int64_t idx = lo; idx < hi; idx++, i = i + 1 == I ? (r++, 0) : i + 1) {
         const float g = bf2f(gate_up[r * 2 * I + i]), u = bf2f(gate_up[r * 2 * I + I + i]);
@@ -1406,6 +1489,7 @@ static void act_mul_for(const bf16 *gate_up, bf16 *out, int64_t rows, int64_t I,
             a = g / (1.0f + expf(-g));
         out[idx] = f2bf(a * u);
     }
+#endif
 #pragma omp barrier
 }
 
@@ -1475,7 +1559,6 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
 #else
         float *scratch = fbuf;
 #endif
-#pragma omp single
         add_rmsnorm(x, NULL, NULL, layers[0].attn_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
         for (int64_t l = 0; l < num_layers; l++) {
             const sd_layer *L = &layers[l];
@@ -1485,7 +1568,6 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
 
             layer_linear(normed, L->wqkv, L->wqkv_scale, L->wqkv_fmt, L->bqkv, wide, rows, qkv_width, dim, xf,
                          qbuf);
-#pragma omp single
             rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
                        v_caches[l], rows, H, Hkv, D, mdl->max_len, q, scratch);
 #ifdef SD_AMX
@@ -1497,17 +1579,15 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
             attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
             layer_linear(att, L->wo, L->wo_scale, L->wo_fmt, NULL, h, rows, dim, H * D, xf, qbuf);
-#pragma omp single
             add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
             layer_linear(normed, L->w_gate_up, L->w_gate_up_scale, L->w_gate_up_fmt, NULL, wide, rows, 2 * I, dim, xf,
                          qbuf);
             act_mul_for(wide, act, rows, I, mdl->gelu);
             layer_linear(act, L->w_down, L->w_down_scale, L->w_down_fmt, NULL, h, rows, dim, I, xf, qbuf);
+            add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+            if (capture_at && capture_at[l] >= 0) {
 #pragma omp single
-            {
-                add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
-                if (capture_at && capture_at[l] >= 0)
-                    memcpy(captured + capture_at[l] * rows * dim, x, (size_t)(rows * dim) * sizeof(bf16));
+                memcpy(captured + capture_at[l] * rows * dim, x, (size_t)(rows * dim) * sizeof(bf16));
             }
         }
     }
