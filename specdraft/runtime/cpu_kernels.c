@@ -1000,9 +1000,82 @@ static inline __attribute__((always_inline)) void q_decode(int fmt, const uint8_
     }
 }
 
+#ifdef SD_AVX512
+/* The 16-bit integers of one 32-element block (or 16, SD_W_Q8H) of two rows at once: lanes 0-15 from
+ * `lo`, 16-31 from `hi`, each half exactly q_decode's vector. */
+static inline __attribute__((always_inline)) void q_decode2(int fmt, const uint8_t *lo, const uint8_t *hi,
+                                                            __m512i *q) {
+    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lo + 4))),
+                                              _mm_loadu_si128((const __m128i *)(hi + 4)), 1);
+    if (fmt == SD_W_Q4) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(a);
+        q[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+        q[1] = _mm512_srli_epi16(bytes, 4);
+    } else {
+        q[0] = _mm512_cvtepi8_epi16(a);
+        if (fmt == SD_W_Q8)
+            q[1] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lo + 20))),
+                _mm_loadu_si128((const __m128i *)(hi + 20)), 1));
+    }
+}
+
+/* Decoding (one input row, nb > 1 weight rows): two weight rows per instruction. The 8 lanes of each 256-bit
+ * half are one row's accumulator and see exactly the operations of q_tile's AVX2 loop (vpdpwssd, where the
+ * CPU has it, is vpmaddwd plus vpaddd in one exact integer instruction), so the bits are the AVX2 path's.
+ * Blocks of several input rows stay on the AVX2 loop: pairing input rows measured slower there. */
+static inline __attribute__((always_inline)) void q_tile_rows2(int fmt, const uint8_t *w, int64_t row_bytes,
+                                                               q_input in, int64_t K, int nb, float *res) {
+    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
+    const int pairs = (nb + 1) / 2;
+    __m512 acc[(QNB_DECODE + 1) / 2];
+#pragma GCC unroll 2
+    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const int16_t *xb = in.X + b * E;
+        const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb));
+        const __m512i x1 = fmt == SD_W_Q8H ? x0 : _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xb + 16)));
+        const __m512 xs = _mm512_set1_ps(in.scale[b]);
+#pragma GCC unroll 2
+        for (int p = 0; p < pairs; p++) {
+            const int i0 = 2 * p, i1 = 2 * p + 1 < nb ? 2 * p + 1 : 2 * p;
+            const uint8_t *b0 = w + i0 * row_bytes + b * BB, *b1 = w + i1 * row_bytes + b * BB;
+            _mm_prefetch((const char *)(b0 + sd_q_prefetch * row_bytes), _MM_HINT_T0);
+            if (i1 != i0) _mm_prefetch((const char *)(b1 + sd_q_prefetch * row_bytes), _MM_HINT_T0);
+            __m512i q[2];
+            q_decode2(fmt, b0, b1, q);
+            __m512i dot = _mm512_madd_epi16(q[0], x0);
+            if (fmt != SD_W_Q8H) {
+#ifdef __AVX512VNNI__
+                dot = _mm512_dpwssd_epi32(dot, q[1], x1);
+#else
+                dot = _mm512_add_epi32(dot, _mm512_madd_epi16(q[1], x1));
+#endif
+            }
+            const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(*(const float *)b0),
+                                                   _mm512_set1_ps(*(const float *)b1));
+            acc[p] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), acc[p]);
+        }
+    }
+    for (int p = 0; p < pairs; p++) {
+        res[2 * p] = q_sum8(_mm512_castps512_ps256(acc[p]));
+        if (2 * p + 1 < nb) res[2 * p + 1] = q_sum8(_mm512_extractf32x8_ps(acc[p], 1));
+    }
+    if (fmt == SD_W_Q4)
+        for (int i = 0; i < nb; i++)
+            res[i] += q_offset_dot((const float *)(w + i * row_bytes + nblk * BB), in.offset_in, nblk);
+}
+#endif /* SD_AVX512 */
+
 /* nb weight rows (stride row_bytes) x mb input rows into res[i * mb + j]. */
 static inline __attribute__((always_inline)) void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input in,
                                                          int64_t K, int nb, int mb, float *res) {
+#ifdef SD_AVX512
+    if (mb == 1 && nb > 1) {
+        q_tile_rows2(fmt, w, row_bytes, in, K, nb, res);
+        return;
+    }
+#endif
     const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
     __m256 acc[QNB_DECODE][QMB_MAX];
 #pragma GCC unroll 8
