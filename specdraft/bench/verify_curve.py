@@ -48,7 +48,7 @@ def time_forward(model, cache, tokens: torch.Tensor, repeats: int) -> float:
 def peak_gemm(size: int = 2048, repeats: int = 5) -> tuple[float, str]:
     """The best FLOP/s of a size^3 matrix product in fp32 and, where the CPU multiplies bf16 in hardware, in
     bf16 (elsewhere torch emulates it far below the fp32 rate), and which dtype reached it."""
-    from specdraft.runtime.model import bf16_gemm_is_native
+    from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
 
     best = (0.0, "fp32")
     dtypes = [(torch.float32, "fp32")] + ([(torch.bfloat16, "bf16")] if bf16_gemm_is_native() else [])

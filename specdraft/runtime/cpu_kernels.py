@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -102,6 +103,16 @@ class ModelShape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("dim", "heads", "kv_heads", "head_dim", "inter", "max_len")] \
         + [(name, ctypes.c_float) for name in ("eps", "scale", "softcap")] \
         + [("gemma", ctypes.c_int32), ("gelu", ctypes.c_int32), ("final_norm", ctypes.c_void_p)]
+
+
+@functools.cache
+def bf16_gemm_is_native() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX). Elsewhere (AVX2) torch
+    emulates bf16 GEMMs far slower than an fp32 GEMM of the same data, casts included (measured on an AMD
+    EPYC with AVX2: a 731-token prompt through a [3072, 576] layer, 156 ms in bf16 against 24 ms), so
+    prompt-sized blocks compute in fp32 there and round the result to bf16."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None)
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -198,6 +198,11 @@ class GGUFLinear(nn.Module):
         integer kernel there, whose strength is the few rows of decoding and verification (as `Linear`)."""
         rows = x.numel() // x.shape[-1]
         if rows > cpu_kernels.SMALL_BATCH_ROWS and not exact_rows:
+            if x.dtype == torch.bfloat16 and cpu_kernels.bf16_gemm_is_native():
+                # bf16 products in hardware (AMX, AVX512-BF16): the weights rounded to bf16, as the bf16 model
+                # holds them (measured 2.5x the fp32 GEMM's prefill on Sapphire Rapids)
+                bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+                return F.linear(x, self.dequantize().to(torch.bfloat16), bias)
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
         if x.device.type == "cpu" and rows and cpu_kernels.available():

@@ -18,7 +18,6 @@ Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -29,6 +28,7 @@ from torch import nn
 
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
+from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
 from specdraft.runtime.fused import SMALL_BATCH_ROWS, FusedCPUBackend
 from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
@@ -75,16 +75,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """x [B, T, H, D]; cos, signed_sin [B, T, 1, D]. Rotate-half convention (as in HF checkpoints):
     rotate_half(x) * sin == roll(x, D/2) * signed_sin, with the first half of signed_sin negated."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-@functools.cache
-def bf16_gemm_is_native() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX). Elsewhere (AVX2) torch
-    emulates bf16 GEMMs far slower than an fp32 GEMM of the same data, casts included (measured on an AMD
-    EPYC with AVX2: a 731-token prompt through a [3072, 576] layer, 156 ms in bf16 against 24 ms), so
-    prompt-sized blocks compute in fp32 there and round the result to bf16."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(check() for check in checks if check is not None)
 
 
 class Linear(nn.Linear):

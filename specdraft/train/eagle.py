@@ -25,7 +25,8 @@ import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.drafters.shipped import target_signature
-from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
+from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     cut,
     draft_distribution,

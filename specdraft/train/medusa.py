@@ -19,7 +19,8 @@ import torch
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaHeads
 from specdraft.drafters.shipped import target_signature
-from specdraft.runtime.model import Transformer, bf16_gemm_is_native
+from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
+from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     FINAL,
     cut,
