@@ -71,8 +71,12 @@ def test_repacked_blocks_hold_the_files_exact_weights(qtype):
     assert np.array_equal(weights, reference)
     assert packed.shape == (7, 512 // (16 if qtype == T.Q6_K else 32) * BLOCK_BYTES[fmt])
     assert torch.equal(dequantize(torch.from_numpy(packed), fmt, 512), torch.from_numpy(reference))
-    if cpu_kernels.available():  # the layout the kernels read
+    if cpu_kernels.available():  # the layout the kernels read, and their dequantization in fp32 and in bf16
         assert packed.shape[1] == cpu_kernels.q_row_bytes(fmt, 512)
+        packed_t = torch.from_numpy(packed)
+        fp32 = cpu_kernels.dequant_q(packed_t, fmt, 512, 2)
+        assert torch.equal(fp32, torch.from_numpy(reference))
+        assert torch.equal(cpu_kernels.dequant_q(packed_t, fmt, 512, 2, torch.bfloat16), fp32.to(torch.bfloat16))
 
 
 def test_repack_refuses_what_its_layouts_cannot_hold():

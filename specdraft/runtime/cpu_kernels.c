@@ -1200,28 +1200,58 @@ static void linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias,
 
 int64_t sd_q_scratch_floats(int64_t M, int64_t K) { return q_scratch_floats(M, K); }
 
-/* The fp32 weights [N, K] of a GGUF-native matrix, computed as the reference dequantization does (s * q, then
+/* The fp32 (or, bf16_out, bf16) weights [N, K] of a GGUF-native matrix, computed as the reference dequantization does (s * q, then
  * + m: two roundings, no FMA): prompt-sized blocks multiply them with a GEMM. */
-void sd_dequant_q(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int threads) {
+void sd_dequant_q(const uint8_t *w, int fmt, int64_t N, int64_t K, void *out, int bf16_out, int threads) {
     const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E, row_bytes = q_row_bytes(fmt, K);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
-        float *o = out + n * K;
+#ifndef SD_AVX512
+        float o[32];
+#endif
         for (int64_t b = 0; b < nblk; b++) {
             const uint8_t *blk = row + b * BB;
             float s, m = 0.0f;
             memcpy(&s, blk, 4);
+            if (fmt == SD_W_Q4) memcpy(&m, row + nblk * BB + b * 4, 4);
+#ifdef SD_AVX512
+            /* the same two roundings (s * q, then + m) on 16 lanes */
+            const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 4));
+            __m512 v[2];
             if (fmt == SD_W_Q4) {
-                memcpy(&m, row + nblk * BB + b * 4, 4);
+                const __m512i q = _mm512_cvtepu8_epi32(bytes);
+                v[0] = _mm512_add_ps(_mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), vm);
+                v[1] = _mm512_add_ps(_mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), vm);
+            } else {
+                v[0] = _mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+                if (fmt == SD_W_Q8)
+                    v[1] = _mm512_mul_ps(vs, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128((const __m128i *)(blk + 20)))));
+            }
+            for (int64_t h = 0; h < E / 16; h++) {
+                if (bf16_out)
+                    _mm256_storeu_si256((__m256i *)((bf16 *)out + n * K + b * E + 16 * h), f2bf_x16(v[h]));
+                else
+                    _mm512_storeu_ps((float *)out + n * K + b * E + 16 * h, v[h]);
+            }
+#else
+            if (fmt == SD_W_Q4) {
                 for (int e = 0; e < 16; e++) {
                     const float lo = s * (float)(blk[4 + e] & 0x0F), hi = s * (float)(blk[4 + e] >> 4);
-                    o[b * E + e] = lo + m;
-                    o[b * E + e + 16] = hi + m;
+                    o[e] = lo + m;
+                    o[e + 16] = hi + m;
                 }
             } else {
-                for (int64_t e = 0; e < E; e++) o[b * E + e] = s * (float)((const int8_t *)blk)[4 + e];
+                for (int64_t e = 0; e < E; e++) o[e] = s * (float)((const int8_t *)blk)[4 + e];
             }
+            /* bf16_out: rounded as torch rounds fp32 to bf16, so no fp32 copy of the matrix is written */
+            if (bf16_out)
+                for (int64_t e = 0; e < E; e++) ((bf16 *)out)[n * K + b * E + e] = f2bf(o[e]);
+            else
+                memcpy((float *)out + n * K + b * E, o, (size_t)E * sizeof(float));
+#endif
         }
     }
 }

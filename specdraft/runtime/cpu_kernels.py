@@ -123,7 +123,7 @@ _SIGNATURES = {
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "sd_linear_q": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_scratch_floats": ([_I, _I], _I),
-    "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
+    "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
@@ -207,10 +207,15 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor
     return y
 
 
-def dequant_q(packed: torch.Tensor, fmt: int, in_features: int, threads: int) -> torch.Tensor:
-    """The fp32 weights [N, K] of a GGUF-native matrix (the reference dequantization's values)."""
-    out = torch.empty(packed.shape[0], in_features, dtype=torch.float32)
-    _lib.sd_dequant_q(packed.data_ptr(), fmt, packed.shape[0], in_features, out.data_ptr(), threads)
+def dequant_q(packed: torch.Tensor, fmt: int, in_features: int, threads: int,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights [N, K] of a GGUF-native matrix: the reference dequantization's fp32 values, or those rounded
+    to bf16 (dtype=torch.bfloat16) without an fp32 copy in between."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequant_q gives fp32 or bf16, not {dtype}")
+    out = torch.empty(packed.shape[0], in_features, dtype=dtype)
+    _lib.sd_dequant_q(packed.data_ptr(), fmt, packed.shape[0], in_features, out.data_ptr(),
+                      int(dtype == torch.bfloat16), threads)
     return out
 
 
