@@ -372,6 +372,26 @@ def test_amx_tiles_are_used_where_the_cpu_has_them():
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int8_linear_runs_in_the_kernel_with_rows_independent(rows, monkeypatch):
+    """Int8Linear (a quant:int8 draft's LM head) takes the C kernel for a draft's few rows: as close to its
+    dequantized weights as bf16 output allows, each row the same alone or in the block, and never through
+    torch's int8 kernel (which is what it replaces)."""
+    from specdraft.runtime.quant import Int8Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = Int8Linear.from_linear_weight(torch.randn(200, 64, generator=gen) * 0.1)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", None)  # the kernel path must not need it
+    y = layer(x)
+    reference = x.float() @ layer.dequantize().T
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+    assert ((y.float() - reference).abs() <= reference.abs() * 2 ** -7 + 1e-3).all()
+    for r in range(rows):
+        assert torch.equal(y[r], layer(x[r:r + 1])[0])
+
+
+@needs_kernels
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_draft_runs_in_the_kernels(family):
     """The quant:int8 self-draft (int8 weights, one scale per output feature) also runs fused, as accurately

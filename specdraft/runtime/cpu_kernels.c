@@ -876,6 +876,13 @@ void sd_linear(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t 
     linear_any(x, w, NULL, bias, y, M, N, K, xf);
 }
 
+/* int8 weights with one bf16 scale per output feature (the quant:int8 draft's LM head); xf: M * K floats. */
+void sd_linear_i8(const bf16 *x, const int8_t *w, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, float *xf, int threads) {
+#pragma omp parallel num_threads(threads) if (N * K > 32768)
+    linear_any(x, w, scale, bias, y, M, N, K, xf);
+}
+
 /* ---- GGUF-native linear layers: weights in their quantized blocks, multiplied as integers ---------------- */
 
 /* A GGUF file's blocks are repacked once at load time (gguf_native.py) into three layouts, each a row of

@@ -121,6 +121,7 @@ _SIGNATURES = {
     "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
+    "sd_linear_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_linear_q": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_scratch_floats": ([_I, _I], _I),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
@@ -190,6 +191,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, thr
     # The AVX512-BF16 kernel reads bf16 x directly; the others widen it to fp32 first, into this.
     scratch = None if k_multiple() == 32 else torch.empty(M * K, dtype=torch.float32)
     _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
+    return y
+
+
+def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+              threads: int) -> torch.Tensor:
+    """x [M, K] bf16 @ (int8 weight [N, K] * bf16 scales [N])^T + bias, bf16 out (the fused layers' int8 path,
+    for a quant:int8 draft's LM head: it streams the int8 bytes at the memory bandwidth)."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, weight.shape[0], dtype=torch.bfloat16)
+    scratch = torch.empty(M * K, dtype=torch.float32)
+    _lib.sd_linear_i8(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), _ptr(bias), y.data_ptr(), M,
+                      weight.shape[0], K, scratch.data_ptr(), threads)
     return y
 
 
