@@ -71,12 +71,20 @@ def test_repacked_blocks_hold_the_files_exact_weights(qtype):
     assert np.array_equal(weights, reference)
     assert packed.shape == (7, 512 // (16 if qtype == T.Q6_K else 32) * BLOCK_BYTES[fmt])
     assert torch.equal(dequantize(torch.from_numpy(packed), fmt, 512), torch.from_numpy(reference))
-    if cpu_kernels.available():  # the layout the kernels read, and their dequantization in fp32 and in bf16
+    if cpu_kernels.available():  # the layout the kernels read, and their dequantization
         assert packed.shape[1] == cpu_kernels.q_row_bytes(fmt, 512)
-        packed_t = torch.from_numpy(packed)
-        fp32 = cpu_kernels.dequant_q(packed_t, fmt, 512, 2)
-        assert torch.equal(fp32, torch.from_numpy(reference))
-        assert torch.equal(cpu_kernels.dequant_q(packed_t, fmt, 512, 2, torch.bfloat16), fp32.to(torch.bfloat16))
+        check_kernel_dequantization(qtype)
+
+
+def check_kernel_dequantization(qtype) -> None:
+    """The C kernel's dequantization (prompt-sized blocks' GEMM weights): gguf-py's fp32 values exactly, and
+    in bf16 exactly those values rounded."""
+    raw = raw_tensor(qtype, 7, 512, seed=int(qtype))
+    fmt, packed, _ = repack(raw, qtype, 512)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(7, 512))
+    packed_t = torch.from_numpy(packed)
+    assert torch.equal(cpu_kernels.dequant_q(packed_t, fmt, 512, 2), reference)
+    assert torch.equal(cpu_kernels.dequant_q(packed_t, fmt, 512, 2, torch.bfloat16), reference.to(torch.bfloat16))
 
 
 def test_repack_refuses_what_its_layouts_cannot_hold():
@@ -229,6 +237,7 @@ def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, ma
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     assert cpu_kernels.simd_path() == path
     for qtype in ALL_TYPES:
+        check_kernel_dequantization(qtype)
         for rows in (1, 5, 17):
             check_native_linear(qtype, rows)
     for family in NATIVE_FAMILIES:
