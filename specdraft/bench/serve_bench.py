@@ -156,28 +156,66 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
 
 
 @contextmanager
-def _served(engine: Any, tokenizer: Any, name: str) -> Iterator[str]:
-    from specdraft.server.app import create_app, serve_in_thread
+def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None) -> Iterator[str]:
+    """`specdraft serve` in a process of its own, as deployed; yields its base URL once /health answers.
 
-    with serve_in_thread(create_app(engine, tokenizer, name)) as url:
+    Not a thread of this process: torch's wheel brings its own libgomp, which the kernels share, and once two
+    threads of a process have run OpenMP regions libgomp manages more threads than 2 cores and throttles its
+    spin-waits, so every barrier of a forward sleeps (measured: 23-25 ms per token against 14 with two servers
+    hosted as threads here, or with any idle thread that had decoded before)."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "specdraft.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+               "--max-batch", str(max_batch), "--port", str(port), "--log-level", "warning"]
+    if drafter:
+        command += ["--speculative-model", drafter, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.api_key:
+        command += ["--api-key", args.api_key]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"`{' '.join(command)}` exited with status {process.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(command)}` did not become healthy in 15 minutes")
+            time.sleep(0.5)
         yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _servers(args: argparse.Namespace, max_batch: int):
-    """(mode -> base URL) context: plain and speculative engines over one loaded target."""
+    """(mode -> base URL) context: plain and speculative servers, each `specdraft serve` in its own process,
+    and the direct reference: the plain engine called in this process."""
     from contextlib import ExitStack
 
     from specdraft.engine.core import build_engine
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     stack = ExitStack()
+    urls = {"plain": stack.enter_context(_serve_process(args, max_batch, None)),
+            args.speculative_model: stack.enter_context(_serve_process(args, max_batch, args.speculative_model))}
     target = load_model(args.model, dtype=target_dtype(args.dtype, args.speculative_model))
     tokenizer = load_tokenizer(args.model)
-    plain = build_engine(target, tokenizer, None, 0, max_batch=max_batch)
-    spec = build_engine(target, tokenizer, args.speculative_model, args.num_speculative_tokens,
-                        max_batch=max_batch)
-    urls = {"plain": stack.enter_context(_served(plain, tokenizer, args.model)),
-            args.speculative_model: stack.enter_context(_served(spec, tokenizer, args.model))}
     direct = build_engine(target, tokenizer, None, 0)
     return stack, urls, lambda prompts, max_tokens: _direct_level(direct, tokenizer, prompts, max_tokens)
 
