@@ -23,6 +23,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
+from specdraft.errors import SpecdraftError
 
 
 def _levels(text: str) -> list[int]:
@@ -163,10 +167,6 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
     threads of a process have run OpenMP regions libgomp manages more threads than 2 cores and throttles its
     spin-waits, so every barrier of a forward sleeps (measured: 23-25 ms per token against 14 with two servers
     hosted as threads here, or with any idle thread that had decoded before)."""
-    import socket
-    import subprocess
-    import sys
-
     import httpx
 
     with socket.socket() as probe:  # a free loopback port
@@ -184,14 +184,15 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
         deadline = time.monotonic() + 900
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"`{' '.join(command)}` exited with status {process.returncode}")
+                raise SpecdraftError(f"`{' '.join(command)}` exited with status {process.returncode} (its error "
+                                     "is printed above)")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(command)}` did not become healthy in 15 minutes")
+                raise SpecdraftError(f"`{' '.join(command)}` did not become healthy in 15 minutes")
             time.sleep(0.5)
         yield url
     finally:
@@ -212,10 +213,15 @@ def _servers(args: argparse.Namespace, max_batch: int):
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     stack = ExitStack()
-    urls = {"plain": stack.enter_context(_serve_process(args, max_batch, None)),
-            args.speculative_model: stack.enter_context(_serve_process(args, max_batch, args.speculative_model))}
-    target = load_model(args.model, dtype=target_dtype(args.dtype, args.speculative_model))
-    tokenizer = load_tokenizer(args.model)
+    try:  # a server that fails to start, or a model that fails to load, must not leave the others running
+        urls = {"plain": stack.enter_context(_serve_process(args, max_batch, None)),
+                args.speculative_model: stack.enter_context(_serve_process(args, max_batch,
+                                                                           args.speculative_model))}
+        target = load_model(args.model, dtype=target_dtype(args.dtype, args.speculative_model))
+        tokenizer = load_tokenizer(args.model)
+    except BaseException:
+        stack.close()
+        raise
     direct = build_engine(target, tokenizer, None, 0)
     return stack, urls, lambda prompts, max_tokens: _direct_level(direct, tokenizer, prompts, max_tokens)
 
@@ -252,8 +258,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         stack, urls, direct = _servers(args, max(levels))
     rows: list[dict[str, Any]] = []
     overhead = None
-    # The clients run in a worker process: in this one they would share the server's GIL (measured: the
-    # server then looked 15% slower than the engine alone at concurrency 1; from another process, 1%).
+    # The clients run in a worker process, as real clients do: in this one their SSE parsing would share the
+    # GIL with the direct reference's engine.
     clients = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
     with stack:
         for url in urls.values():  # warm-up: kernels, caches, the first prefill, the client process
