@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdraft.config import SpecConfig, is_config_ref, target_dtype
+from specdraft.config import TRANSFORMERS, SpecConfig, is_config_ref, target_dtype
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine, GenerationResult, StreamChunk, build_engine
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.hf_backend import load_hf_target
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
@@ -62,22 +63,29 @@ class LLM:
         min_acceptance: float = 0.4,
         drafter_options: dict[str, Any] | None = None,
         progress: bool = True,
+        backend: str = "specdraft",
     ) -> None:
         """`model` is a model reference (catalog name, HF directory, .gguf file) or a JSON config (path or
         dict, see `SpecConfig`); explicit arguments are used when no config is given. `max_batch` requests
         run at once (one KV-cache slot each): `generate` and `chat` with several prompts batch them. `tree`:
         up to this many draft tokens per round as a token tree, `num_speculative_tokens` deep (0: chains;
-        adaptive engines choose chain or tree per round by measured speed)."""
+        adaptive engines choose chain or tree per round by measured speed). `backend="transformers"` runs the
+        target as transformers' `AutoModelForCausalLM` (any architecture it knows; fp32 by default) under the
+        same engine, drafters and verifier, with n-gram, suffix and draft-model drafters."""
         if isinstance(model, dict) or isinstance(model, Path) or is_config_ref(str(model)):
             cfg = SpecConfig.load(model)
         else:
             cfg = SpecConfig(model=model, speculative_model=speculative_model,
                              num_speculative_tokens=num_speculative_tokens, tree=tree, dtype=dtype, device=device,
                              max_model_len=max_model_len, max_batch=max_batch, adaptive=adaptive,
-                             min_acceptance=min_acceptance, drafter_options=dict(drafter_options or {}))
+                             min_acceptance=min_acceptance, drafter_options=dict(drafter_options or {}),
+                             backend=backend)
         self.config = cfg
-        self.target = load_model(cfg.model, dtype=target_dtype(cfg.dtype, cfg.speculative_model), device=cfg.device,
-                                 progress=progress)
+        if cfg.backend == TRANSFORMERS:
+            self.target = load_hf_target(cfg.model, cfg.dtype, cfg.device, progress)
+        else:
+            self.target = load_model(cfg.model, dtype=target_dtype(cfg.dtype, cfg.speculative_model),
+                                     device=cfg.device, progress=progress)
         self.tokenizer = load_tokenizer(cfg.model, progress=progress)
         self.engine: Engine = build_engine(
             self.target, self.tokenizer, cfg.speculative_model, cfg.num_speculative_tokens,

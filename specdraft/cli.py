@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, arg_tree_size
+from specdraft.config import BACKEND_HELP, BACKENDS, DTYPE_HELP, arg_draft_length, arg_int_in, arg_tree_size
 from specdraft.drafters import DRAFTER_HELP
 from specdraft.errors import SpecdraftError
 from specdraft.verify.sampling import SamplingParams
@@ -27,7 +27,8 @@ def _build_llm(args: argparse.Namespace):
         return LLM(args.config)
     return LLM(model=args.model, speculative_model=args.speculative_model,
                num_speculative_tokens=args.num_speculative_tokens, tree=args.tree, dtype=args.dtype,
-               max_model_len=args.max_model_len, max_batch=args.max_batch, adaptive=not args.no_adaptive)
+               max_model_len=args.max_model_len, max_batch=args.max_batch, adaptive=not args.no_adaptive,
+               backend=args.backend)
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser, default_drafter: str | None = None) -> None:
@@ -102,7 +103,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = args.prompt
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     drafter, k = args.speculative_model, args.num_speculative_tokens
-    llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k, tree=args.tree)
+    llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k, tree=args.tree,
+              backend=args.backend)
     messages = [{"role": "user", "content": prompt}]
     llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     if llm.engine.drafter is not None:  # `auto` resolved: the shipped head marked default, else ngram
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
+    gen.add_argument("--backend", default="specdraft", choices=BACKENDS, help=BACKEND_HELP)
     gen.add_argument("--max-model-len", type=arg_int_in(2), default=4096)
     gen.add_argument("--max-batch", type=arg_int_in(1, 256), default=1, help="requests in flight at once")
     gen.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     add_speculation_arguments(demo, default_drafter="auto")
     demo.add_argument("--max-tokens", type=arg_int_in(1), default=128)
     demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    demo.add_argument("--backend", default="specdraft", choices=BACKENDS, help=BACKEND_HELP)
     demo.set_defaults(func=cmd_demo)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)")

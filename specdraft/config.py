@@ -17,6 +17,11 @@ from typing import Any
 from specdraft.engine.core import MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from specdraft.errors import InvalidParameterError, SpecdraftError
 
+SPECDRAFT, TRANSFORMERS = "specdraft", "transformers"
+BACKENDS = (SPECDRAFT, TRANSFORMERS)
+BACKEND_HELP = ("specdraft (default: the fast runtime) or transformers (any AutoModelForCausalLM as the target, "
+                "fp32 by default, for architectures the runtime lacks; drafters: ngram, suffix, draft:REF)")
+
 # Earlier spellings -> the one name.
 ALIASES = {"draft_model": "speculative_model", "speculation_length": "num_speculative_tokens"}
 
@@ -34,6 +39,7 @@ class SpecConfig:
     adaptive: bool = True
     min_acceptance: float = 0.4
     drafter_options: dict[str, Any] = field(default_factory=dict)
+    backend: str = "specdraft"  # or "transformers": any AutoModelForCausalLM as the target (runtime/hf_backend.py)
     # How the user spelled each key (for error messages); not a config key itself.
     spelled: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -61,7 +67,11 @@ class SpecConfig:
             (isinstance(self.min_acceptance, (int, float)) and not isinstance(self.min_acceptance, bool)
              and 0.0 <= self.min_acceptance < 1.0, "min_acceptance", "must be a number in [0, 1)"),
             (isinstance(self.drafter_options, dict), "drafter_options", "must be an object"),
+            (self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}"),
         ]
+        if self.backend == TRANSFORMERS and self.dtype == "gguf":
+            raise InvalidParameterError(f"{name('dtype')} 'gguf' needs the specdraft backend (transformers runs "
+                                        "dense weights)")
         for ok, key, rule in checks:
             if not ok:
                 raise InvalidParameterError(f"{name(key)} {rule}, got {getattr(self, key)!r}")

@@ -138,18 +138,21 @@ def parse_methods(spec: str) -> list[str]:
 
 def method_dtype(name: str) -> tuple[str, str | None]:
     """A method name may end in `@DTYPE` (`plain@gguf`, `ngram+tree8@gguf`): the method runs on the target
-    loaded with that dtype (`--dtype` otherwise); returns (name without it, dtype or None)."""
+    loaded with that dtype (`--dtype` otherwise), or `@transformers`: on the target loaded by transformers (fp32,
+    the transformers backend); returns (name without it, that suffix or None)."""
     from specdraft.errors import SpecdraftError
 
     base, at, dtype = name.rpartition("@")
     if not at:
         return name, None
-    if dtype not in DTYPES or not base:
-        raise SpecdraftError(f"method {name!r}: @ takes one of {', '.join(DTYPES)}")
+    if dtype not in TARGET_VARIANTS or not base:
+        raise SpecdraftError(f"method {name!r}: @ takes one of {', '.join(TARGET_VARIANTS)}")
     return base, dtype
 
 
 DTYPES = ("bf16", "fp32", "gguf")
+TRANSFORMERS = "transformers"  # `@transformers`: the target run by transformers (runtime/hf_backend.py)
+TARGET_VARIANTS = (*DTYPES, TRANSFORMERS)
 
 
 def method_tree(name: str, default_tree: int) -> tuple[str, int]:
@@ -488,6 +491,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     from specdraft.bench.suite import load_suite, select_per_group
     from specdraft.engine.core import context_limit
     from specdraft.errors import SpecdraftError
+    from specdraft.runtime.hf_backend import load_hf_target
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     if args.threads:
@@ -520,7 +524,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     for dtype in dict.fromkeys(d for d in (method_dtype(n)[1] for n in method_names) if d is not None):
         if dtype not in targets:
             print(f"loading {args.model} in {dtype} for the @{dtype} methods", file=sys.stderr)
-            targets[dtype] = load_model(args.model, dtype=dtype, progress=True)
+            targets[dtype] = load_hf_target(args.model, "fp32") if dtype == TRANSFORMERS else \
+                load_model(args.model, dtype=dtype, progress=True)
     methods = build_our_methods(method_names, target, tokenizer, k, not args.no_adaptive, max_len, args.tree,
                                 targets)
     notes: list[dict] = []

@@ -13,6 +13,9 @@ DRAFTER_HELP = ("auto | ngram | suffix | quant:int4 | quant:int8 | self:N | eagl
                 "draft:MODEL_REF | MODEL_REF (eagle / medusa alone: the head shipped for the target; auto: the "
                 "shipped head that measured fastest, else ngram)")
 
+# Drafters made from the target's weights or features: they need the runtime's `Transformer` as the target.
+WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
+
 
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
                  options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
@@ -26,11 +29,16 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     options = dict(options or {})
     if not isinstance(spec, str) or not spec.strip():
         raise SpecdraftError(f"empty drafter spec; expected one of: {DRAFTER_HELP}")
+    runtime_target = isinstance(target, Transformer)
     if spec == "auto":
         from specdraft.drafters.shipped import default_drafter
 
-        spec = default_drafter(target)
+        spec = default_drafter(target) if runtime_target else "ngram"
     kind, _, arg = spec.partition(":")
+    if not runtime_target and kind in WEIGHT_DRAFTERS:
+        raise SpecdraftError(f"drafter {spec!r} is built from the target's own weights or hidden states, which "
+                             "only the specdraft backend exposes; with the transformers backend use ngram, suffix "
+                             "or draft:MODEL_REF")
 
     def take(allowed: set[str]) -> dict[str, Any]:
         unknown = set(options) - allowed

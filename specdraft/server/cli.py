@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from specdraft.config import DTYPE_HELP, arg_int_in
+from specdraft.config import BACKEND_HELP, BACKENDS, DTYPE_HELP, arg_int_in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=arg_int_in(1, 256), default=8,
                         help="requests generating at once (one KV-cache slot each); others wait")
     parser.add_argument("--max-model-len", type=arg_int_in(2), default=4096)
+    parser.add_argument("--backend", default="specdraft", choices=BACKENDS, help=BACKEND_HELP)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -40,7 +41,7 @@ def loader(args: argparse.Namespace, name: str):
             llm = LLM(model=args.model, speculative_model=args.speculative_model,
                       num_speculative_tokens=args.num_speculative_tokens, tree=args.tree, dtype=args.dtype,
                       max_model_len=args.max_model_len, max_batch=args.max_batch, adaptive=not args.no_adaptive,
-                      progress=False)
+                      progress=False, backend=args.backend)
         return ServedModel(llm.engine, llm.tokenizer, name)
 
     return load
