@@ -82,7 +82,7 @@ from pathlib import Path
 
 from specdraft.bench import stats
 from specdraft.bench.suite import OVERALL, Question, group_of, order_groups
-from specdraft.config import arg_draft_length, arg_tree_size
+from specdraft.config import TRANSFORMERS, arg_draft_length, arg_tree_size
 from specdraft.verify.sampling import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -151,8 +151,7 @@ def method_dtype(name: str) -> tuple[str, str | None]:
 
 
 DTYPES = ("bf16", "fp32", "gguf")
-TRANSFORMERS = "transformers"  # `@transformers`: the target run by transformers (runtime/hf_backend.py)
-TARGET_VARIANTS = (*DTYPES, TRANSFORMERS)
+TARGET_VARIANTS = (*DTYPES, TRANSFORMERS)  # `@transformers`: the target run by transformers (runtime/hf_backend.py)
 
 
 def method_tree(name: str, default_tree: int) -> tuple[str, int]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.errors import ContextOverflowError, ModelLoadError
+from specdraft.errors import ModelLoadError
+from specdraft.runtime.kv_cache import SlotLengths
 
 
 @dataclass(frozen=True)
@@ -35,36 +36,20 @@ class HFConfig:
     max_position_embeddings: int
 
 
-class HFCache:
-    """Per-slot transformers caches with committed lengths (see the module docstring)."""
+class HFCache(SlotLengths):
+    """Per-slot transformers caches behind committed lengths (see the module docstring)."""
 
     def __init__(self, max_len: int, num_slots: int = 1) -> None:
         from transformers import DynamicCache
 
+        super().__init__(max_len, num_slots)
         self._new = DynamicCache
-        self.max_len = max_len
-        self.num_slots = num_slots
-        self.lengths = [0] * num_slots
         self.caches = [DynamicCache() for _ in range(num_slots)]
 
-    def length(self, slot: int = 0) -> int:
-        return self.lengths[slot]
-
-    def commit(self, slot: int, length: int) -> None:
-        if not 0 <= length <= self.max_len:
-            raise ContextOverflowError(f"KV cache length {length} outside [0, {self.max_len}]")
-        self.lengths[slot] = length
-
     def reset(self, slot: int | None = None) -> None:
+        super().reset(slot)
         for s in range(self.num_slots) if slot is None else [slot]:
-            self.lengths[s] = 0
             self.caches[s] = self._new()
-
-    def check_room(self, slots: Sequence[int], num_new: int) -> None:
-        for s in slots:
-            if self.lengths[s] + num_new > self.max_len:
-                raise ContextOverflowError(f"context full: slot {s} holds {self.lengths[s]} tokens, {num_new} "
-                                           f"more do not fit in {self.max_len}")
 
     def stored(self, slot: int) -> int:
         return self.caches[slot].get_seq_length()

@@ -19,22 +19,11 @@ from specdraft.errors import ContextOverflowError
 KEY_BLOCK = 64
 
 
-class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        num_slots: int = 1,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        # Zeros, not empty: masked stale entries are multiplied by 0 and must never be NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+class SlotLengths:
+    """The committed length of each slot, which is all that rolling back changes; every cache of this
+    runtime (this one, and the transformers backend's) keeps its entries behind these numbers."""
+
+    def __init__(self, max_len: int, num_slots: int) -> None:
         self.max_len = max_len
         self.num_slots = num_slots
         self.lengths = [0] * num_slots
@@ -59,6 +48,25 @@ class KVCache:
                     f"context full: slot {s} holds {self.lengths[s]} tokens, {num_new} more do not fit in "
                     f"{self.max_len}"
                 )
+
+
+class KVCache(SlotLengths):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        num_slots: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        # Zeros, not empty: masked stale entries are multiplied by 0 and must never be NaN.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(max_len, num_slots)
 
     def compact(self, slot: int, src_offsets: Sequence[int]) -> None:
         """Move uncommitted entries at committed+src_offsets[i] to committed+i (accepting a token-tree path),
