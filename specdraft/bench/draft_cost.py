@@ -110,13 +110,13 @@ def run_draft_cost(args: argparse.Namespace, argv: list[str] | None = None) -> d
     from specdraft.bench.machine import header as machine_header
     from specdraft.bench.machine import header_lines
     from specdraft.bench.suite import load_suite, spread
-    from specdraft.drafters import make_drafter
+    from specdraft.drafters import make_drafter, split_drafter_list
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     target, tokenizer = load_model(args.model), load_tokenizer(args.model)
     prompts = [tokenizer.prompt_ids(q.turns[0], chat=tokenizer.has_chat_template)
                for q in spread(load_suite(args.suite), args.prompts)]
-    drafters = {spec: make_drafter(spec, target, tokenizer) for spec in args.drafters.split(",")}
+    drafters = {spec: make_drafter(spec, target, tokenizer) for spec in split_drafter_list(args.drafters)}
     measured = measure_draft_cost(target, tokenizer, prompts, drafters, args.k, args.max_tokens, args.repeats,
                                   progress=not args.no_progress)
     results = {"schema_version": SCHEMA_VERSION, "kind": "specdraft-draft-cost", "header": machine_header(argv),

@@ -121,9 +121,10 @@ class OurMethod:
 def parse_methods(spec: str) -> list[str]:
     """Comma list of methods; `plain` (the speedup baseline) is always run, first, and `plain@DTYPE` (the
     baseline of methods run on the target in another dtype) before the first method with that suffix."""
+    from specdraft.drafters import split_drafter_list
     from specdraft.errors import SpecdraftError
 
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    names = split_drafter_list(spec)
     if len(set(names)) != len(names):
         raise SpecdraftError(f"duplicate method in {spec!r}")
     ordered = ["plain"]

@@ -10,8 +10,9 @@ from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
 DRAFTER_HELP = ("auto | ngram | suffix | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
-                "draft:MODEL_REF | MODEL_REF (eagle / medusa alone: the head shipped for the target; auto: the "
-                "shipped head that measured fastest, else ngram)")
+                "draft:MODEL_REF | MODEL_REF | cascade:ngram,B (eagle / medusa alone: the head shipped for the "
+                "target; auto: the shipped head that measured fastest, else ngram; draft:MODEL_REF may use "
+                "another tokenizer; cascade: the model drafter B checks n-gram guesses of its own drafts)")
 
 # Drafters made from the target's weights or features: they need the runtime's `Transformer` as the target.
 WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
@@ -20,7 +21,8 @@ WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
                  options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
     """Build a drafter from its spec string (`auto`, `ngram`, `quant:int4`, `self:8`, `eagle[:DIR]`,
-    `medusa[:DIR]`, `draft:REF` or a model ref) for up to `max_batch` concurrent requests.
+    `medusa[:DIR]`, `draft:REF` or a model ref, `cascade:ngram,B`) for up to `max_batch` concurrent requests.
+    A draft model with another tokenizer drafts through text (cross_tokenizer.py).
 
     options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; suffix: those and the shared
     cache's max_tokens, cache_min_n, cache_max_n; model drafters:
@@ -47,6 +49,8 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
                 f"unknown option(s) {sorted(unknown)} for drafter {spec!r}; allowed: {sorted(allowed)}")
         return options
 
+    if kind == "cascade":
+        return _make_cascade(spec, arg, target, target_tokenizer, max_len, options, dtype, max_batch)
     if kind == "ngram":
         from specdraft.drafters.ngram import NgramDrafter
 
@@ -92,13 +96,57 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
         take(set())
         return make_medusa_drafter(arg or str(require_shipped_head("medusa", target)), target, name=spec)
     ref = arg if kind == "draft" else spec
-    from specdraft.drafters.draft_model import ModelDrafter, check_tokenizers_match
+    from specdraft.drafters.draft_model import ModelDrafter, tokenizers_match
     from specdraft.runtime.loader import load_model, load_tokenizer
 
     draft_tokenizer = load_tokenizer(ref)
-    check_tokenizers_match(target_tokenizer, draft_tokenizer)
+    opts = take({"min_confidence"})
     model = load_model(ref, dtype=dtype or target.dtype, device=target.device)
-    return ModelDrafter(model, name=f"draft:{ref}", max_len=max_len, max_batch=max_batch, **take({"min_confidence"}))
+    if tokenizers_match(target_tokenizer, draft_tokenizer):
+        return ModelDrafter(model, name=f"draft:{ref}", max_len=max_len, max_batch=max_batch, **opts)
+    from specdraft.drafters.cross_tokenizer import CrossTokenizerDrafter
+
+    # Another vocabulary: the draft's context is the target's text in its own tokens, often more of them.
+    draft = ModelDrafter(model, name=f"draft:{ref}", max_len=max_len * 3 // 2, max_batch=max_batch, **opts)
+    return CrossTokenizerDrafter(draft, draft_tokenizer, target_tokenizer, name=f"draft:{ref}")
+
+
+def split_drafter_list(text: str) -> list[str]:
+    """A comma list of drafter specs (bench methods), where `cascade:A,B` is one spec with its own comma."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    specs: list[str] = []
+    while parts:
+        part = parts.pop(0)
+        if part.startswith("cascade:") and "," not in part and parts:
+            part = f"{part},{parts.pop(0)}"
+        specs.append(part)
+    return specs
+
+
+def _make_cascade(spec: str, arg: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int,
+                  options: dict[str, Any], dtype: str | None, max_batch: int) -> Drafter:
+    """`cascade:ngram[:N],B`: the model drafter B drafts its chains checking n-gram guesses several tokens
+    per forward (draft_model.py). Options go to B."""
+    from specdraft.drafters.draft_model import ModelDrafter
+    from specdraft.drafters.ngram import NgramDrafter
+
+    stages = [part.strip() for part in arg.split(",")]
+    if len(stages) != 2 or not all(stages):
+        raise SpecdraftError(f"bad drafter spec {spec!r}: a cascade is 'cascade:ngram,B' with B a model drafter "
+                             "(quant:int8, self:N, draft:REF), e.g. cascade:ngram,quant:int8")
+    first_kind, _, first_arg = stages[0].partition(":")
+    if first_kind != "ngram":
+        raise SpecdraftError(f"cascade {spec!r}: the first stage must be 'ngram' (a lookup that can guess past "
+                             f"uncommitted tokens), got {stages[0]!r}")
+    guesser = NgramDrafter(max_n=_int_arg(spec, first_arg)) if first_arg else NgramDrafter()
+    second = make_drafter(stages[1], target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
+                          max_batch=max_batch)
+    if type(second) is not ModelDrafter:
+        raise SpecdraftError(f"cascade {spec!r}: the second stage must be a draft model with the target's "
+                             "tokenizer (quant:int4, quant:int8, self:N, draft:REF), got "
+                             f"{stages[1]!r}")
+    second.guesser, second.name = guesser, spec
+    return second
 
 
 def _int_arg(spec: str, arg: str) -> int:
@@ -108,4 +156,5 @@ def _int_arg(spec: str, arg: str) -> int:
         raise SpecdraftError(f"bad drafter spec {spec!r}: expected an integer after ':'") from None
 
 
-__all__ = ["DRAFTER_HELP", "ROOT", "DraftRequest", "Drafter", "Proposal", "Verified", "make_drafter"]
+__all__ = ["DRAFTER_HELP", "ROOT", "DraftRequest", "Drafter", "Proposal", "Verified", "make_drafter",
+           "split_drafter_list"]

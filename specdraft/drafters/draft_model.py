@@ -8,6 +8,14 @@ context plus draft tokens d1..d_{k-1} (d_k was sampled but never fed). `observe`
 so the next `propose` only feeds the tokens the draft has not seen: the target's correction, or d_k plus the
 bonus token after full acceptance.
 
+Cascades (`cascade:ngram,B`): a `guesser` (the n-gram drafter) speeds up the draft's own chain drafting the
+way speculation speeds up the target. Each draft step feeds the draft its next token plus the guesser's
+continuation of what it has drafted so far, in one forward; the draft samples (or takes the argmax) at every
+position and keeps the guesses up to the first one that differs from its own token, plus that token. Every
+drafted token is still an exact draw from the draft's own distribution given the tokens before it (the
+draws are made whatever the guesses are, and a guessed position is used only when all guesses before it
+were right), so the proposal and its `draft_probs` are what the draft alone would give, for fewer forwards.
+
 Token trees (when `propose` gets a node budget above the depth) grow EAGLE-2 style (tree_growth.py), one
 draft forward per level for all requests. Tree drafts are deterministic (one-hot draft probabilities),
 which keeps multi-candidate verification lossless at any temperature whatever nodes are kept. The tree's
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.ngram import NgramDrafter
 from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
@@ -50,10 +59,11 @@ class ModelDrafter:
 
     def __init__(self, model: Transformer, name: str = "draft", exit_layer: int | None = None,
                  max_len: int = 4096, min_confidence: float = 0.0, share_prompt_cache: bool = False,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, guesser: NgramDrafter | None = None) -> None:
         """share_prompt_cache: the draft is derived from the target's weights (quantized, or its first layers),
         so the target's prompt keys/values are copied instead of running a second prefill. max_batch:
-        requests drafted for at once (one slot each in the draft's cache)."""
+        requests drafted for at once (one slot each in the draft's cache). guesser: the first stage of a
+        cascade, whose guesses the draft checks several at a time (chains only)."""
         if not 0.0 <= min_confidence < 1.0:
             raise SpecdraftError("min_confidence must be in [0, 1)")
         self.model = model
@@ -61,6 +71,7 @@ class ModelDrafter:
         self.share_prompt_cache = share_prompt_cache
         self.exit_layer = exit_layer
         self.min_confidence = min_confidence
+        self.guesser = guesser
         cfg = model.config
         layers = exit_layer or cfg.num_layers
         max_len = min(max_len, cfg.max_position_embeddings)
@@ -75,6 +86,8 @@ class ModelDrafter:
                             request.target_cache if self.share_prompt_cache else None, request.target_slot)
         self._states[request.request_id] = state
         self.cache.reset(state.slot)
+        if self.guesser is not None:
+            self.guesser.add_request(request)
         # A draft of its own runs the prompt at the first proposal, in one forward with other new requests.
         self._catch_up_from_target(state, len(request.prompt_ids))
 
@@ -83,6 +96,19 @@ class ModelDrafter:
         if state is not None:
             self.cache.reset(state.slot)
             self._free_slots.append(state.slot)
+            if self.guesser is not None:
+                self.guesser.remove_request(request_id)
+
+    def cached_length(self, request_id: int) -> int:
+        """Tokens of the request's sequence held in the draft's cache."""
+        return self.cache.length(self._states[request_id].slot)
+
+    def rewind(self, request_id: int, length: int) -> None:
+        """Keep only the first `length` cached tokens, for a caller that maintains the draft's context itself
+        (cross-tokenizer drafting re-encodes it every round) instead of calling `observe`."""
+        state = self._states[request_id]
+        self.cache.commit(state.slot, max(0, min(length, self.cache.length(state.slot))))
+        state.num_proposed = 0
 
     def _catch_up_from_target(self, state: _DraftState, context_len: int) -> None:
         """Copy the target's committed keys/values the draft has not seen (the prompt; the tokens decoded
@@ -198,23 +224,38 @@ class ModelDrafter:
             feeds[i] = [int(t) for t in context[self.cache.length(state.slot):]]
             state.proposed_at = len(context)
         while active:
-            logits = self._feed([states[i] for i in active], [feeds[i] for i in active])
-            picked, dists = sample_rows(logits, [states[i].params for i in active],
-                                        [states[i].generator for i in active])
-            still = []
+            guesses = [self._guess(request_ids[i], contexts[i], tokens[i], limits[i] - len(tokens[i]) - 1)
+                       for i in active]
+            starts = [self.cache.length(states[i].slot) for i in active]
+            blocks = self._feed_blocks([states[i] for i in active], [feeds[i] for i in active], guesses)
+            rows = [row for row, guess in enumerate(guesses) for _ in range(len(guess) + 1)]
+            picked, dists = sample_rows(torch.cat(blocks), [states[active[r]].params for r in rows],
+                                        [states[active[r]].generator for r in rows])
+            still, offset = [], 0
             for row, i in enumerate(active):
-                token, dist = picked[row], dists[row]
-                if dist is None:  # greedy
-                    confidence = float(torch.softmax(logits[row].float(), -1)[token]) if self.min_confidence else 1.0
-                else:
-                    confidence = float(dist[token])
-                if confidence < self.min_confidence and tokens[i]:
-                    continue  # stop this request's draft at its first unsure token (after the first)
-                tokens[i].append(token)
-                if dist is not None:
-                    probs[i].append(dist)
-                feeds[i] = [token]
-                if len(tokens[i]) < limits[i]:
+                guess, block = guesses[row], blocks[row]
+                kept, stopped = 0, False  # positions of this block whose tokens are drafted
+                for j in range(len(guess) + 1):
+                    token, dist = picked[offset + j], dists[offset + j]
+                    if dist is None:  # greedy
+                        confidence = float(torch.softmax(block[j].float(), -1)[token]) if self.min_confidence else 1.0
+                    else:
+                        confidence = float(dist[token])
+                    if confidence < self.min_confidence and tokens[i]:
+                        stopped = True  # stop this request's draft at its first unsure token (after the first)
+                        break
+                    tokens[i].append(token)
+                    if dist is not None:
+                        probs[i].append(dist)
+                    kept += 1
+                    if len(tokens[i]) == limits[i] or not guess_holds(guess, j, token):
+                        break
+                offset += len(guess) + 1
+                # The slot keeps its feed and the guesses that were drafted; the last drafted token is fed
+                # next (after an early stop the slot may hold it already, which `observe` allows for).
+                self.cache.commit(states[i].slot, starts[row] + len(feeds[i]) + (kept if stopped else kept - 1))
+                feeds[i] = tokens[i][-1:]
+                if not stopped and len(tokens[i]) < limits[i]:
                     still.append(i)
             active = still
         proposals = []
@@ -225,13 +266,51 @@ class ModelDrafter:
             proposals.append(Proposal(toks, torch.stack(dists) if dists else None))
         return proposals
 
+    def _guess(self, request_id: int, context: Sequence[int], drafted: list[int], max_k: int) -> list[int]:
+        if self.guesser is None or max_k <= 0:
+            return []
+        return self.guesser.guess(request_id, context, drafted, max_k)
+
+    def _feed_blocks(self, states: list[_DraftState], feeds: list[list[int]],
+                     guesses: list[list[int]]) -> list[torch.Tensor]:
+        """Run each row's feed followed by its guesses and return, per row, the logits after the feed's last
+        token and after each guess [1 + len(guess), vocab]; the slots keep the whole block (the caller cuts
+        them back). Rows without guesses go through `_feed`; the others one forward per block length."""
+        out: list[torch.Tensor | None] = [None] * len(states)
+        plain = [r for r, guess in enumerate(guesses) if not guess]
+        if plain:
+            logits = self._feed([states[r] for r in plain], [feeds[r] for r in plain])
+            for n, r in enumerate(plain):
+                out[r] = logits[n:n + 1]
+        by_length: dict[int, list[int]] = {}
+        for r, guess in enumerate(guesses):
+            if guess:
+                by_length.setdefault(len(feeds[r]) + len(guess), []).append(r)
+        for length, rows in by_length.items():
+            first = min(len(feeds[r]) - 1 for r in rows)  # the first row whose logits any of them needs
+            logits = self.model(torch.tensor([feeds[r] + guesses[r] for r in rows], device=self.model.device),
+                                self.cache, slots=[states[r].slot for r in rows], exit_layer=self.exit_layer,
+                                logits_from=first)
+            for n, r in enumerate(rows):
+                self.cache.commit(states[r].slot, self.cache.length(states[r].slot) + length)
+                out[r] = logits[n, len(feeds[r]) - 1 - first:]
+        return out  # type: ignore[return-value]
+
     def observe(self, request_id: int, verified: Verified) -> None:
+        if self.guesser is not None:
+            self.guesser.observe(request_id, verified)
         state = self._states[request_id]
         if not state.num_proposed:  # no chain outstanding (none drafted, or a tree whose keys were dropped):
             return  # the next `propose` feeds what it missed
         kept = state.proposed_at + min(verified.num_accepted, state.num_proposed - 1)
         self.cache.commit(state.slot, min(kept, self.cache.length(state.slot)))
         state.num_proposed = 0
+
+
+def guess_holds(guess: Sequence[int], position: int, token: int) -> bool:
+    """Whether the draft's token at block `position` confirms the guess there, so that the logits at the next
+    position (computed after the guess) are the draft's own after `token`."""
+    return position < len(guess) and guess[position] == token
 
 
 def _tree_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -243,22 +322,12 @@ def _tree_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits_to_probs(logits, params).log()
 
 
-def check_tokenizers_match(target: Tokenizer, draft: Tokenizer) -> None:
-    """Draft and target must give the same ids the same strings; padded vocabularies (e.g. 151936 vs 152064)
-    are fine as long as the shared range agrees."""
+def tokenizers_match(target: Tokenizer, draft: Tokenizer) -> bool:
+    """Whether draft and target give the same ids the same strings (then the draft proposes in the target's
+    ids; otherwise it drafts through text, see cross_tokenizer.py). Padded vocabularies (e.g. 151936 vs
+    152064) match as long as the shared range agrees."""
     common = min(len(target.hf), len(draft.hf))
+    if common < 0.9 * max(len(target.hf), len(draft.hf)):
+        return False
     ids = list(range(common))
-    t_tokens = target.hf.convert_ids_to_tokens(ids)
-    d_tokens = draft.hf.convert_ids_to_tokens(ids)
-    mismatched = [i for i, (a, b) in enumerate(zip(t_tokens, d_tokens)) if a != b]
-    larger = max(len(target.hf), len(draft.hf))
-    if mismatched or common < 0.9 * larger:
-        example = ""
-        if mismatched:
-            i = mismatched[0]
-            example = f"; e.g. id {i} is {t_tokens[i]!r} for the target but {d_tokens[i]!r} for the draft"
-        raise SpecdraftError(
-            f"draft and target tokenizers do not match ({len(mismatched)} of {common} shared ids differ, "
-            f"vocab sizes {len(target.hf)} vs {len(draft.hf)}){example}. A draft model must use the target's "
-            f"tokenizer; use 'ngram', 'quant:int4' or 'self:N' instead"
-        )
+    return target.hf.convert_ids_to_tokens(ids) == draft.hf.convert_ids_to_tokens(ids)

@@ -263,6 +263,19 @@ class NgramDrafter:
             return Proposal(index.lookup(max_k))
         return index.lookup_tree(max_k, budget)
 
+    def guess(self, request_id: int, context: Sequence[int], drafted: Sequence[int], max_k: int) -> list[int]:
+        """A chain of up to `max_k` tokens that continues `context` + `drafted`, where `drafted` is what a
+        later stage of a cascade has drafted and nobody has committed: the suffix of that sequence is looked
+        up in the index of the committed `context` alone, so the index never holds uncommitted tokens."""
+        index = self._indexes[request_id]
+        index.sync(context)
+        if max_k <= 0:
+            return []
+        if not drafted:
+            return index.lookup(max_k)
+        found = index.continuations(max_k, query=[*context[-self.max_n:], *drafted])
+        return found[0][0] if found else []
+
     def observe(self, request_id: int, verified: Verified) -> None:
         """Indexing here keeps `propose` cheap; the new context says it all."""
         self._indexes[request_id].sync(verified.context)
