@@ -355,7 +355,7 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     assert cpu_kernels.simd_path() == path
     assert cpu_kernels.k_multiple() == (32 if path == "avx512bf16" else 16)
-    for rows in (1, 5, 17):
+    for rows in (1, 3, 5, 17):
         test_linear_kernel_matches_fp32_and_rows_are_independent(rows)
     for family in FAMILIES:
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)

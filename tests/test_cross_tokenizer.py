@@ -4,6 +4,7 @@ output (greedy identical to plain, sampling matching the target's distribution) 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_residual_verify, exact_joint, matches, sample_joint
 from tiny_models import ToyTokenizer, tiny_model
 
@@ -149,6 +150,21 @@ def test_a_draft_special_token_ends_the_draft_and_keeps_the_last_word(target, pa
     assert drafter._to_target([3, 7], [5], [16, PairTokenizer.EOS, 20]) == [0, 1]
     # The same text without an end: the last target token may be half a word and is dropped.
     assert drafter._to_target([3, 7], [5], [16]) == [0]
+
+
+def test_text_without_spaces_is_re_encoded_a_bounded_tail_at_a_time(pair_draft):
+    """Letters never contain a word boundary; the text re-encoded each round stays bounded anyway, and the
+    draft context still spells the whole text."""
+    from specdraft.drafters.cross_tokenizer import MAX_PENDING
+
+    drafter = toy_drafter(pair_draft, max_len=1024)
+    context = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    drafter.add_request(DraftRequest(0, context[:10], SamplingParams(temperature=0.0), None))
+    state = drafter._states[0]
+    for end in range(20, 401, 20):
+        drafter._advance(state, context[:end])
+        assert len(state.pending) <= MAX_PENDING
+        assert PairTokenizer().decode(drafter._draft_context(state)) == ToyTokenizer(VOCAB).decode(context[:end])
 
 
 # ------------------------------------------------------------------------------------- lossless output

@@ -357,6 +357,58 @@ def test_failed_probes_back_off_and_a_paying_probe_resets_the_wait():
     assert waits[0] == 4
 
 
+def test_a_draft_that_cannot_pay_is_remembered_across_requests():
+    """Simulated rounds: a plain forward takes 10 ms and every draft token 20 ms (a draft model twice the
+    target's size). The first request probes and falls back; the requests after it start in fallback, each
+    waiting twice as long as the one before, up to the cap; a cheap draft is never held back."""
+    from specdraft.engine.adaptive import DraftCostMemory, DraftLengthController
+
+    config = AdaptiveConfig(reprobe_after=4, max_reprobe_after=32)
+    memory = DraftCostMemory()
+
+    def run_request(draft_step: float, rounds: int = 12) -> list[int]:
+        controller = DraftLengthController(4, config, memory)
+        ks = []
+        for _ in range(rounds):
+            k = controller.next_k()
+            ks.append(k)
+            controller.update(k, k, draft_step * k, 0.010 + 0.001 * k) if k else controller.update(0, 0, 0.0, 0.010)
+        memory.record(controller)
+        return ks
+
+    first = run_request(0.020)
+    assert first[:3] == [0, 0, 1] and memory.hopeless and memory.cost_ratio > 1.5
+    assert memory.reprobe_after == 8  # its probe after 4 plain rounds failed too
+    waits = []
+    for _ in range(4):
+        ks = run_request(0.020, rounds=80)
+        waits.append(next(i for i, k in enumerate(ks) if k) - 2)  # plain rounds after the calibration
+    assert waits == [16, 32, 32, 32]
+    cheap = DraftCostMemory()
+    memory.__dict__.update(cheap.__dict__)
+    assert run_request(0.002)[2] == 1 and not memory.hopeless
+
+
+def test_a_slow_draft_costs_later_requests_no_probe(target):
+    """Through the engine: a drafter slower than the target falls back in the first request; the second
+    drafts nothing at all, and both equal plain decoding."""
+    import time
+
+    class SlowOracle(OracleDrafter):
+        def propose(self, request_ids, contexts, max_ks, max_nodes=None):
+            time.sleep(0.02 * max(max_ks))
+            return super().propose(request_ids, contexts, max_ks, max_nodes)
+
+    ids = [3, 1, 4]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = engine(target).generate(ids, params).token_ids
+    spec = engine(target, SlowOracle(len(ids), want, wrong=True), k=4, adaptive=AdaptiveConfig())
+    first, second = spec.generate(ids, params), spec.generate(ids, params)
+    assert first.token_ids == second.token_ids == want
+    assert first.metrics.drafted > 0 and second.metrics.drafted == 0
+    assert spec.draft_costs.hopeless
+
+
 def test_baseline_ignores_the_cold_first_step_and_is_bounded_by_verification():
     """The first decoding step after a prefill runs cold (measured 27 ms against 15 ms later on SmolLM2): taken
     alone as the plain baseline it made a drafter as slow as the target look 1.3x faster."""

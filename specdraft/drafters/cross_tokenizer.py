@@ -42,6 +42,7 @@ GREEDY = SamplingParams(temperature=0.0)
 WINDOW = 4  # tokens of context decoded with a continuation to find the continuation's own text
 TARGET_TAILS = (3, 2, 1)  # committed target tokens re-encoded with the drafted text, longest first
 MAX_DRAFT_PER_TARGET = 3.0  # cap on draft tokens per proposed target token
+MAX_PENDING = 128  # characters re-encoded every round at most, when the text has no word boundary
 
 
 @dataclass
@@ -121,6 +122,8 @@ class CrossTokenizerDrafter:
             state.pending += state.decoder.push(context[state.seen:])
             state.seen = len(context)
         cut = word_boundary(state.pending)
+        if cut == 0 and len(state.pending) > MAX_PENDING:  # text without spaces (CJK, long identifiers)
+            cut = len(state.pending) - MAX_PENDING // 4
         if cut > 0:
             state.stable_ids += self.draft_tokenizer.encode(state.pending[:cut], add_special_tokens=False)
             state.pending = state.pending[cut:]

@@ -182,10 +182,44 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+# A draft token costing this many plain target forwards cannot pay at any K or acceptance: K draft steps and
+# a verification of K + 1 tokens cost at least K * ratio + 1 forwards for at most K + 1 tokens. Above 1.0 by a
+# margin, so that a draft about as costly as the target (and the timing noise of tiny models) is still tried.
+HOPELESS_DRAFT_COST = 1.25
+
+
+class DraftCostMemory:
+    """What finished requests measured about the drafter on this machine, for the requests after them.
+
+    A draft's cost per token relative to a plain target forward depends on the two models and the machine,
+    not on the text, so it carries over. When it says the draft cannot pay (`HOPELESS_DRAFT_COST`), a new
+    request starts in fallback, for twice the probe wait the earlier requests reached (up to the maximum),
+    instead of paying for a probe of its own (for a draft model with a context of its own, the probe
+    includes the draft's prefill of the whole prompt). Probes still happen, with doubling waits, in case the
+    measurement was unlucky.
+    """
+
+    def __init__(self) -> None:
+        self.cost_ratio: float | None = None  # draft step / plain forward, EMA over finished requests
+        self.reprobe_after: int | None = None  # the probe wait the last measuring request reached
+
+    def record(self, controller: DraftLengthController) -> None:
+        if not controller.draft_step or not controller.plain_forward:
+            return  # it never drafted (or never timed a plain forward): nothing learned
+        ratio = controller.draft_step / controller.plain_forward
+        self.cost_ratio = ratio if self.cost_ratio is None else 0.5 * (self.cost_ratio + ratio)
+        self.reprobe_after = controller.reprobe_after
+
+    @property
+    def hopeless(self) -> bool:
+        return self.cost_ratio is not None and self.cost_ratio >= HOPELESS_DRAFT_COST
+
+
 class DraftLengthController:
     """Chooses K per round from measured acceptance and measured draft / verify cost."""
 
-    def __init__(self, max_k: int, config: AdaptiveConfig | None = None) -> None:
+    def __init__(self, max_k: int, config: AdaptiveConfig | None = None,
+                 memory: DraftCostMemory | None = None) -> None:
         self.max_k = max_k
         self.config = config or AdaptiveConfig()
         # The first speculative round drafts one token: it measures what a draft step costs before long drafts
@@ -201,6 +235,13 @@ class DraftLengthController:
         self.probing = False  # the speculation under way is a probe after a fallback
         self.fallback_events = 0
         self.log: list[str] = []
+        if memory is not None and memory.hopeless and self.config.enabled:
+            # Earlier requests measured a draft that cannot pay: start as if their last probe had failed too.
+            self.reprobe_after = min(2 * max(self.reprobe_after, memory.reprobe_after or 0),
+                                     self.config.max_reprobe_after)
+            self.fallback_left = self.reprobe_after
+            self.log.append(f"starting in fallback for {self.fallback_left} rounds: earlier requests measured "
+                            f"a draft token at {memory.cost_ratio:.2f} plain forwards")
 
     def _ema(self, old: float | None, new: float) -> float:
         if old is None:

@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
-from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser, DraftLengthController, TreeShapeChooser
+from specdraft.engine.adaptive import (
+    AdaptiveConfig,
+    BatchDepthChooser,
+    DraftCostMemory,
+    DraftLengthController,
+    TreeShapeChooser,
+)
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
 from specdraft.errors import ContextOverflowError, SpecdraftError
@@ -141,6 +147,8 @@ class Engine:
         # Batched rounds: the depth cap that gives the whole batch the most tokens per second.
         self.batch_depths = BatchDepthChooser(num_speculative_tokens, self.adaptive.window) \
             if self.drafter is not None and self.adaptive.enabled else None
+        # The draft's measured cost, carried from finished requests to new ones.
+        self.draft_costs = DraftCostMemory()
         # Room past any request's own limit for the padding of a batched verification block.
         self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
         self._free_slots = list(range(max_batch - 1, -1, -1))
@@ -178,7 +186,7 @@ class Engine:
         request = Request(
             id=self._next_id, prompt_ids=prompt_ids, params=params, generator=generator,
             out=OutputAssembler(self.tokenizer, params),
-            controller=DraftLengthController(self.num_speculative_tokens, self.adaptive),
+            controller=DraftLengthController(self.num_speculative_tokens, self.adaptive, self.draft_costs),
             shapes=self.shapes.fork() if self.shapes is not None else None,
             metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._free_slots.pop(),
             started_at=time.perf_counter())
@@ -388,6 +396,7 @@ class Engine:
         m = r.metrics
         m.generated_tokens = len(r.out.token_ids)
         m.fallback_events = r.controller.fallback_events
+        self.draft_costs.record(r.controller)
         m.total_time = time.perf_counter() - r.started_at
         self.totals = self.totals.merge(m)
         r.result = GenerationResult(r.prompt_ids, r.out.token_ids, r.out.text, r.out.finish_reason, m, r.origins,

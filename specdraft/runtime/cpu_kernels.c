@@ -213,6 +213,24 @@ int sd_prefetch_tiles = 2;
 /* AVX512-BF16: 32 bf16 products per instruction, pairwise summed into fp32; K a multiple of 32. */
 static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const bf16 *x, int64_t K, int nb,
                                                            int mb, int64_t pf, float *res) {
+    if (nb == 1 || mb == 1) {
+        /* Decoding and blocks of 2-4 rows (memory-bound): the weight rows one after another, in memory order,
+         * each against the mb input rows. The same accumulator per pair over k in order as below (the same
+         * bits), but one sequential stream that the hardware prefetcher follows instead of nb interleaved
+         * ones: on AMD Zen 4 a core then draws twice the bandwidth (one row through a 113 MB matrix: 16 -> 32
+         * GB/s on 2 cores), and software prefetching only gets in its way. */
+        for (int i = 0; i < nb; i++) {
+            __m512 acc[4];
+            for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * K + k));
+                for (int j = 0; j < mb; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k)));
+            }
+            for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[j]);
+        }
+        return;
+    }
     __m512 acc[4][4];
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
@@ -241,6 +259,19 @@ static inline __m512 load_i8x16(const int8_t *p) {
 
 static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, const float *x, int64_t K, int nb,
                                                                 int mb, int64_t pf, float *res, int int8) {
+    if (nb == 1 || mb == 1) { /* weight rows in memory order, as in dot_tile (the same bits as below) */
+        for (int i = 0; i < nb; i++) {
+            __m512 acc[4];
+            for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += LANES) {
+                const __m512 wv = int8 ? load_i8x16((const int8_t *)w + i * K + k)
+                                       : load_bf16x16((const bf16 *)w + i * K + k);
+                for (int j = 0; j < mb; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * K + k), acc[j]);
+            }
+            for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[j]);
+        }
+        return;
+    }
     __m512 acc[4][4];
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
@@ -560,7 +591,12 @@ static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int n
 #ifndef NB_DECODE
 #define NB_DECODE 4 /* weight rows per tile for a single input row */
 #endif
-#ifndef SD_AVX2
+#ifdef SD_AVX512
+/* AVX-512: blocks of 2-4 rows take one weight row per tile (read in memory order, see dot_tile), longer ones
+ * tiles of 4 weight rows x up to MB_MAX input rows. */
+static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : M <= 4 ? 1 : 4; }
+static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (int)(M - m) : MB_MAX; }
+#elif !defined(SD_AVX2)
 /* Other paths: tiles of up to 4 weight rows x MB_MAX input rows. */
 static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : 4; }
 static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (int)(M - m) : MB_MAX; }
@@ -1007,82 +1043,10 @@ static inline __attribute__((always_inline)) void q_decode(int fmt, const uint8_
     }
 }
 
-#ifdef SD_AVX512
-/* The 16-bit integers of one 32-element block (or 16, SD_W_Q8H) of two rows at once: lanes 0-15 from
- * `lo`, 16-31 from `hi`, each half exactly q_decode's vector. */
-static inline __attribute__((always_inline)) void q_decode2(int fmt, const uint8_t *lo, const uint8_t *hi,
-                                                            __m512i *q) {
-    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lo + 4))),
-                                              _mm_loadu_si128((const __m128i *)(hi + 4)), 1);
-    if (fmt == SD_W_Q4) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(a);
-        q[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
-        q[1] = _mm512_srli_epi16(bytes, 4);
-    } else {
-        q[0] = _mm512_cvtepi8_epi16(a);
-        if (fmt == SD_W_Q8)
-            q[1] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(lo + 20))),
-                _mm_loadu_si128((const __m128i *)(hi + 20)), 1));
-    }
-}
-
-/* Decoding (one input row, nb > 1 weight rows): two weight rows per instruction. The 8 lanes of each 256-bit
- * half are one row's accumulator and see exactly the operations of q_tile's AVX2 loop (vpdpwssd, where the
- * CPU has it, is vpmaddwd plus vpaddd in one exact integer instruction), so the bits are the AVX2 path's.
- * Blocks of several input rows stay on the AVX2 loop: pairing input rows measured slower there. */
-static inline __attribute__((always_inline)) void q_tile_rows2(int fmt, const uint8_t *w, int64_t row_bytes,
-                                                               q_input in, int64_t K, int nb, float *res) {
-    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
-    const int pairs = (nb + 1) / 2;
-    __m512 acc[(QNB_DECODE + 1) / 2];
-#pragma GCC unroll 2
-    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nblk; b++) {
-        const int16_t *xb = in.X + b * E;
-        const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xb));
-        const __m512i x1 = fmt == SD_W_Q8H ? x0 : _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xb + 16)));
-        const __m512 xs = _mm512_set1_ps(in.scale[b]);
-#pragma GCC unroll 2
-        for (int p = 0; p < pairs; p++) {
-            const int i0 = 2 * p, i1 = 2 * p + 1 < nb ? 2 * p + 1 : 2 * p;
-            const uint8_t *b0 = w + i0 * row_bytes + b * BB, *b1 = w + i1 * row_bytes + b * BB;
-            _mm_prefetch((const char *)(b0 + sd_q_prefetch * row_bytes), _MM_HINT_T0);
-            if (i1 != i0) _mm_prefetch((const char *)(b1 + sd_q_prefetch * row_bytes), _MM_HINT_T0);
-            __m512i q[2];
-            q_decode2(fmt, b0, b1, q);
-            __m512i dot = _mm512_madd_epi16(q[0], x0);
-            if (fmt != SD_W_Q8H) {
-#ifdef __AVX512VNNI__
-                dot = _mm512_dpwssd_epi32(dot, q[1], x1);
-#else
-                dot = _mm512_add_epi32(dot, _mm512_madd_epi16(q[1], x1));
-#endif
-            }
-            const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(*(const float *)b0),
-                                                   _mm512_set1_ps(*(const float *)b1));
-            acc[p] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), acc[p]);
-        }
-    }
-    for (int p = 0; p < pairs; p++) {
-        res[2 * p] = q_sum8(_mm512_castps512_ps256(acc[p]));
-        if (2 * p + 1 < nb) res[2 * p + 1] = q_sum8(_mm512_extractf32x8_ps(acc[p], 1));
-    }
-    if (fmt == SD_W_Q4)
-        for (int i = 0; i < nb; i++)
-            res[i] += q_offset_dot((const float *)(w + i * row_bytes + nblk * BB), in.offset_in, nblk);
-}
-#endif /* SD_AVX512 */
 
 /* nb weight rows (stride row_bytes) x mb input rows into res[i * mb + j]. */
 static inline __attribute__((always_inline)) void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input in,
                                                          int64_t K, int nb, int mb, float *res) {
-#ifdef SD_AVX512
-    if (mb == 1 && nb > 1) {
-        q_tile_rows2(fmt, w, row_bytes, in, K, nb, res);
-        return;
-    }
-#endif
     const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E;
     __m256 acc[QNB_DECODE][QMB_MAX];
 #pragma GCC unroll 8
@@ -1167,6 +1131,18 @@ static inline void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input 
     }
 
 /* Work-shared over blocks of 16 output features, inside a parallel region, on q_quantize_input's `all`. */
+/* Weight rows per tile: one, read in memory order, on AVX-512 machines (AMD Zen 4 draws twice the bandwidth
+ * from one sequential stream as from several interleaved ones; see dot_tile) and for blocks of input rows;
+ * QNB_DECODE interleaved rows for decoding elsewhere (the AVX2 path, as measured on AMD Zen 3). */
+static inline int q_tile_rows(int64_t M, int64_t left) {
+#ifdef SD_AVX512
+    (void)M, (void)left;
+    return 1;
+#else
+    return M > 1 ? 1 : left < QNB_DECODE ? (int)left : QNB_DECODE;
+#endif
+}
+
 static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                          int64_t K) {
     const int64_t row_bytes = q_row_bytes(fmt, K), block = 16;
@@ -1175,7 +1151,7 @@ static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bia
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
         for (int64_t n = blk * block; n < n_end;) {
-            const int nb = M > 1 ? 1 : n_end - n < QNB_DECODE ? (int)(n_end - n) : QNB_DECODE;
+            const int nb = q_tile_rows(M, n_end - n);
             const uint8_t *wrow = w + n * row_bytes;
             for (int64_t m = 0; m < M;) {
                 const int mb = M == 1 ? 1 : q_chunk(M, m);
