@@ -227,13 +227,13 @@ class ModelDrafter:
             guesses = [self._guess(request_ids[i], contexts[i], tokens[i], limits[i] - len(tokens[i]) - 1)
                        for i in active]
             starts = [self.cache.length(states[i].slot) for i in active]
-            blocks = self._feed_blocks([states[i] for i in active], [feeds[i] for i in active], guesses)
+            logits = self._feed_blocks([states[i] for i in active], [feeds[i] for i in active], guesses)
             rows = [row for row, guess in enumerate(guesses) for _ in range(len(guess) + 1)]
-            picked, dists = sample_rows(torch.cat(blocks), [states[active[r]].params for r in rows],
+            picked, dists = sample_rows(logits, [states[active[r]].params for r in rows],
                                         [states[active[r]].generator for r in rows])
             still, offset = [], 0
             for row, i in enumerate(active):
-                guess, block = guesses[row], blocks[row]
+                guess, block = guesses[row], logits[offset:offset + len(guesses[row]) + 1]
                 kept, stopped = 0, False  # positions of this block whose tokens are drafted
                 for j in range(len(guess) + 1):
                     token, dist = picked[offset + j], dists[offset + j]
@@ -272,10 +272,13 @@ class ModelDrafter:
         return self.guesser.guess(request_id, context, drafted, max_k)
 
     def _feed_blocks(self, states: list[_DraftState], feeds: list[list[int]],
-                     guesses: list[list[int]]) -> list[torch.Tensor]:
-        """Run each row's feed followed by its guesses and return, per row, the logits after the feed's last
-        token and after each guess [1 + len(guess), vocab]; the slots keep the whole block (the caller cuts
-        them back). Rows without guesses go through `_feed`; the others one forward per block length."""
+                     guesses: list[list[int]]) -> torch.Tensor:
+        """Run each row's feed followed by its guesses; returns the logits after the feed's last token and
+        after each guess, row after row [sum(1 + len(guess)), vocab]. The slots keep the whole block (the
+        caller cuts them back). Without guesses this is `_feed` (no copy); rows with guesses run one forward
+        per block length."""
+        if not any(guesses):
+            return self._feed(states, feeds)
         out: list[torch.Tensor | None] = [None] * len(states)
         plain = [r for r, guess in enumerate(guesses) if not guess]
         if plain:
@@ -294,7 +297,7 @@ class ModelDrafter:
             for n, r in enumerate(rows):
                 self.cache.commit(states[r].slot, self.cache.length(states[r].slot) + length)
                 out[r] = logits[n, len(feeds[r]) - 1 - first:]
-        return out  # type: ignore[return-value]
+        return torch.cat(out)  # type: ignore[arg-type]
 
     def observe(self, request_id: int, verified: Verified) -> None:
         if self.guesser is not None:
