@@ -90,6 +90,29 @@ def test_linear_kernel_matches_fp32_and_rows_are_independent(rows):
         assert torch.equal(y[r], cpu_kernels.linear(x[r:r + 1], weight, bias, threads=1)[0])
 
 
+
+@needs_kernels
+def test_panels_hold_the_weight_and_follow_its_changes():
+    """Where the kernels multiply bf16 weights in panels (AVX-512 without AMX), `panels` is the weight
+    rearranged, not a copy that goes stale: remade when the weight changes in place (training a draft head
+    between validations does that) or is replaced, and each output computed from the new values."""
+    if not cpu_kernels.dense_panels():
+        pytest.skip(f"the {cpu_kernels.simd_path()} path reads weight rows as they are")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 96, generator=gen).to(torch.bfloat16)
+    packed = cpu_kernels.panels(weight)
+    width = packed.shape[2]
+    assert packed.shape == (-(-37 // width), 48, width, 2)
+    rows = packed.transpose(1, 2).reshape(-1, 96)  # back to [padded outputs, inputs]
+    assert torch.equal(rows[:37], weight) and not rows[37:].any()
+    assert cpu_kernels.panels(weight) is packed  # made once
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    before = cpu_kernels.linear(x, weight, None, threads=2)
+    with torch.no_grad():
+        weight.mul_(-2)  # exact in bf16
+    assert cpu_kernels.panels(weight) is not packed
+    assert torch.equal(cpu_kernels.linear(x, weight, None, threads=2), -2 * before)
+
 @needs_kernels
 @pytest.mark.parametrize("family", FAMILIES)
 def test_models_take_the_kernel_path(family):
@@ -426,3 +449,45 @@ def test_int8_draft_runs_in_the_kernels(family):
         singles.append(draft(block[:, t:t + 1], singles_cache))
         singles_cache.commit(0, 41 + t)
     assert torch.equal(torch.cat(singles, 1), fused)
+
+
+@pytest.fixture
+def fresh_bf16_choice():
+    cpu_kernels.bf16_dot_pays.cache_clear()
+    yield
+    cpu_kernels.bf16_dot_pays.cache_clear()
+
+
+def test_bf16_dot_products_are_left_out_where_they_are_slow(monkeypatch, fresh_bf16_choice):
+    """Where VDPBF16PS retires at under half the rate of fp32 FMAs (an Intel Xeon whose AMX the hypervisor
+    hides: 1.3 against 5.4 G/s per core), the native build leaves AVX512-BF16 out and multiplies in fp32;
+    elsewhere it keeps them. The environment overrides the measurement."""
+    monkeypatch.delenv("SPECDRAFT_KERNEL_BF16", raising=False)
+    monkeypatch.delenv("SPECDRAFT_KERNEL_MARCH", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    for dot, fma, pays in ((1.3e9, 5.4e9, False), (3.6e9, 3.7e9, True)):
+        monkeypatch.setattr(cpu_kernels, "_measure_bf16_dot", lambda cpu, dot=dot, fma=fma: (dot, fma))
+        cpu_kernels.bf16_dot_pays.cache_clear()
+        assert cpu_kernels.bf16_dot_pays() is pays
+        assert ("-mno-avx512bf16" in cpu_kernels._flags()) is not pays
+    monkeypatch.setenv("SPECDRAFT_KERNEL_BF16", "1")
+    cpu_kernels.bf16_dot_pays.cache_clear()
+    assert cpu_kernels.bf16_dot_pays()  # forced, whatever the last measurement said
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_tile"})
+    monkeypatch.setenv("SPECDRAFT_KERNEL_BF16", "auto")
+    cpu_kernels.bf16_dot_pays.cache_clear()
+    assert cpu_kernels.bf16_dot_pays()  # AMX tiles need them: never measured
+    monkeypatch.setenv("SPECDRAFT_KERNEL_MARCH", "x86-64-v3")
+    assert "-mno-avx512bf16" not in cpu_kernels._flags()  # a variant build is what it names
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags() or shutil.which("cc") is None,
+                    reason="the probe measures AVX512-BF16 dot products")
+def test_bf16_probe_measures_this_cpu_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    dot, fma = cpu_kernels._measure_bf16_dot("this cpu")
+    assert dot > 1e8 and fma > 1e8  # instructions per second on one core
+    cached = list((tmp_path / "kernels").glob("bf16-probe-*.txt"))
+    assert len(cached) == 1
+    cached[0].write_text("1 2\n")
+    assert cpu_kernels._measure_bf16_dot("this cpu") == (1.0, 2.0)  # read back, not measured again

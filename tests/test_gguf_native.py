@@ -227,8 +227,9 @@ def test_native_tree_nodes_and_slots_get_their_own_bits():
                     reason="the variants are built for x86-64 with cc")
 @pytest.mark.parametrize(("march", "path", "needs"), SIMD_BUILDS, ids=[b[1] for b in SIMD_BUILDS])
 def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, needs):
-    """The native kernels have an AVX2 + FMA path (which AVX-512 builds take too) and a portable one: each is
-    checked for accuracy and row independence wherever this machine can execute it."""
+    """The native kernels have panels on AVX-512 (VPDPWSSD where the CPU has AVX512-VNNI, VPMADDWD otherwise),
+    rows on AVX2 + FMA and a portable path: each is checked for accuracy and row independence wherever this
+    machine can execute it."""
     skip_unless_a_variant_is_needed(path, needs)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_load_error", None)

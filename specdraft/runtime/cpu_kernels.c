@@ -207,65 +207,31 @@ static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t D) {
 int sd_prefetch_tiles = 2;
 
 /* NB weight rows times MB input rows (x has row stride K). Each (weight row, input row) pair gets its own
- * accumulator, updated over k in order and reduced by the same sequence: the tile shape changes no bits. */
+ * accumulator, updated over k in order and reduced by the same sequence: the tile shape changes no bits.
+ * (AVX-512 builds multiply bf16 weights in panels or on AMX tiles instead; see linear_panels_for.) */
 #if defined(__AVX512BF16__)
-#define X_IS_BF16 1
-/* AVX512-BF16: 32 bf16 products per instruction, pairwise summed into fp32; K a multiple of 32. */
-static inline __attribute__((always_inline)) void dot_tile(const bf16 *w, const bf16 *x, int64_t K, int nb,
-                                                           int mb, int64_t pf, float *res) {
-    if (nb == 1 || mb == 1) {
-        /* Decoding and blocks of 2-4 rows (memory-bound): the weight rows one after another, in memory order,
-         * each against the mb input rows. The same accumulator per pair over k in order as below (the same
-         * bits), but one sequential stream that the hardware prefetcher follows instead of nb interleaved
-         * ones: on AMD Zen 4 a core then draws twice the bandwidth (one row through a 113 MB matrix: 16 -> 32
-         * GB/s on 2 cores), and software prefetching only gets in its way. */
-        for (int i = 0; i < nb; i++) {
-            __m512 acc[4];
-            for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * K + k));
-                for (int j = 0; j < mb; j++)
-                    acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k)));
-            }
-            for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[j]);
-        }
-        return;
-    }
-    __m512 acc[4][4];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512bh xv[4];
-        for (int j = 0; j < mb; j++) xv[j] = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
-        for (int i = 0; i < nb; i++) {
-            _mm_prefetch((const char *)(w + i * K + k + pf), _MM_HINT_T0);
-            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * K + k));
-            for (int j = 0; j < mb; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
-        }
-    }
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
+#define X_IS_BF16 1 /* linear layers read bf16 inputs as they are (AVX512-BF16 dot products, AMX) */
 #else
 #define X_IS_BF16 0
 #endif
 
-/* The same tile with fp32 FMAs, for weights widened to fp32 from bf16 or from int8 (`int8`, a constant at
- * every call site, so the compiler emits one specialized loop per case). x is fp32. */
 #ifdef SD_AVX512
 static inline __m512 load_i8x16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, const float *x, int64_t K, int nb,
-                                                                int mb, int64_t pf, float *res, int int8) {
-    if (nb == 1 || mb == 1) { /* weight rows in memory order, as in dot_tile (the same bits as below) */
+/* int8 weights (the quant:int8 draft) against fp32 inputs, 16 lanes per accumulator. Decoding and blocks of
+ * 2-4 rows read the weight rows one after another, in memory order: the same accumulator per pair over k in
+ * order as the tiles below (the same bits), but one sequential stream that the hardware prefetcher follows
+ * instead of nb interleaved ones (on AMD Zen 4 a core then draws twice the bandwidth). */
+static inline __attribute__((always_inline)) void dot_tile_i8(const int8_t *w, const float *x, int64_t K, int nb,
+                                                              int mb, int64_t pf, float *res) {
+    if (nb == 1 || mb == 1) {
         for (int i = 0; i < nb; i++) {
             __m512 acc[4];
             for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += LANES) {
-                const __m512 wv = int8 ? load_i8x16((const int8_t *)w + i * K + k)
-                                       : load_bf16x16((const bf16 *)w + i * K + k);
+                const __m512 wv = load_i8x16(w + i * K + k);
                 for (int j = 0; j < mb; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + j * K + k), acc[j]);
             }
             for (int j = 0; j < mb; j++) res[i * mb + j] = _mm512_reduce_add_ps(acc[j]);
@@ -279,16 +245,9 @@ static inline __attribute__((always_inline)) void dot_tile_wide(const void *w, c
         __m512 xv[4];
         for (int j = 0; j < mb; j++) xv[j] = _mm512_loadu_ps(x + j * K + k);
         for (int i = 0; i < nb; i++) {
-            __m512 wv;
-            if (int8) {
-                const int8_t *wi = (const int8_t *)w + i * K + k;
-                if ((k & 63) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
-                wv = load_i8x16(wi);
-            } else {
-                const bf16 *wi = (const bf16 *)w + i * K + k;
-                if ((k & 31) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
-                wv = load_bf16x16(wi);
-            }
+            const int8_t *wi = w + i * K + k;
+            if ((k & 63) == 0) _mm_prefetch((const char *)(wi + pf), _MM_HINT_T0);
+            const __m512 wv = load_i8x16(wi);
             for (int j = 0; j < mb; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
@@ -582,8 +541,10 @@ static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int n
 }
 #endif
 
-#if !X_IS_BF16
+#ifndef SD_AVX512
 #define dot_tile(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 0)
+/* int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k]. */
+#define dot_tile_i8(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 1)
 #endif
 #ifndef MB_MAX
 #define MB_MAX 4 /* input rows per tile */
@@ -592,8 +553,8 @@ static inline void dot_tile_wide(const void *w, const float *x, int64_t K, int n
 #define NB_DECODE 4 /* weight rows per tile for a single input row */
 #endif
 #ifdef SD_AVX512
-/* AVX-512: blocks of 2-4 rows take one weight row per tile (read in memory order, see dot_tile), longer ones
- * tiles of 4 weight rows x up to MB_MAX input rows. */
+/* AVX-512 (int8 weights): blocks of 2-4 rows take one weight row per tile (read in memory order, see
+ * dot_tile_i8), longer ones tiles of 4 weight rows x up to MB_MAX input rows. */
 static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : M <= 4 ? 1 : 4; }
 static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (int)(M - m) : MB_MAX; }
 #elif !defined(SD_AVX2)
@@ -601,8 +562,6 @@ static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (i
 static inline int tile_rows(int64_t M) { return M == 1 ? NB_DECODE : 4; }
 static inline int input_chunk(int64_t M, int64_t m) { return M - m < MB_MAX ? (int)(M - m) : MB_MAX; }
 #endif
-/* int8 weights (the quantized self-draft): y[m, n] = scale[n] * sum_k q[n, k] x[m, k]. */
-#define dot_tile_i8(w, x, K, nb, mb, pf, res) dot_tile_wide(w, x, K, nb, mb, pf, res, 1)
 
 /* ---- linear layer: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) ---------------------------------------------- */
 
@@ -859,6 +818,10 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
         return;
     }
 #endif
+#ifdef SD_AVX512
+    (void)xin;
+    if (!scale) abort(); /* bf16 rows are multiplied on AMX tiles; elsewhere they come in panels */
+#endif
     const int64_t block = 16, nblocks = (N + block - 1) / block;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
@@ -877,11 +840,13 @@ static void linear_for(const xin_t *xin, const float *x32, const void *w, const 
                     else
                         TILE_SWITCH(dot_tile_i8, wrow, x32 + m * K)
                 } else {
+#ifndef SD_AVX512
                     const bf16 *wrow = (const bf16 *)w + n * K;
                     if (nb > 4)
                         dot_tile(wrow, xin, K, NB_DECODE, 1, pf, res);
                     else
                         TILE_SWITCH(dot_tile, wrow, xin + m * K)
+#endif
                 }
                 store_tile(res, scale, bias, y, N, n, m, nb, mb);
                 m += mb;
@@ -919,6 +884,162 @@ void sd_linear_i8(const bf16 *x, const int8_t *w, const bf16 *scale, const bf16 
     linear_any(x, w, scale, bias, y, M, N, K, xf);
 }
 
+/* ---- dense bf16 weights in panels (AVX-512 without AMX tiles) ------------------------------------------- */
+
+/* Why a second layout: with weights as rows, each (weight row, input row) pair sums its products in a 16-lane
+ * accumulator that must be reduced across lanes at the end (for SmolLM2's K = 576, the reductions cost about
+ * half as much as the multiplies), and a tile of 4 weight rows is 4 memory streams. In panels a vector holds 16
+ * *outputs*: panel p, k-pair kp is PANEL (output, pair) words, lane l of the first vector holding
+ * (W[PANEL p + l][2 kp], W[PANEL p + l][2 kp + 1]), and it is multiplied by one input pair broadcast to every
+ * lane. Each output accumulates its pairs in k order in a lane of its own: nothing to reduce, a panel is one
+ * sequential stream, each weight vector loaded serves every input row of the tile, and the operations on an
+ * output are the same whatever the number of rows (row invariance by construction). Measured on an AMD Zen 4
+ * (2 cores, [3072, 576]): 8 rows 0.14 ms against 0.24 ms for 4 x 4 row tiles, one row unchanged.
+ *
+ * Layout: bf16 [ceil(N / PANEL)][K / 2][PANEL][2]; rows of the last panel past N are zero. The AVX512-BF16
+ * path multiplies the pairs with VDPBF16PS; the AVX-512 path splits them into even and odd k and runs two
+ * fp32 FMAs (the CPUs whose VDPBF16PS is slow take this one, see cpu_kernels.bf16_dot_pays). */
+#ifdef SD_AVX512
+#define PANEL 32
+#define PANEL_MB 12 /* input rows per tile: 2 x 12 accumulators, 2 weight vectors, broadcasts */
+
+int sd_dense_panels(void) { return !sd_amx_active; }
+int64_t sd_panel_width(void) { return PANEL; }
+
+/* Input rows of the chunk starting at row m: ceil(M / most) chunks of near-equal size. */
+static inline int panel_chunk(int64_t M, int64_t m) {
+    const int64_t chunks = (M + PANEL_MB - 1) / PANEL_MB, base = M / chunks, extra = M % chunks;
+    return (int)(m < extra * (base + 1) ? base + 1 : base);
+}
+
+/* The PANEL outputs of panel wp for mb input rows (x [mb, K] bf16 with AVX512-BF16, xf [mb, K] fp32 otherwise),
+ * unrounded: acc[2 j] holds outputs 0-15 of input row j, acc[2 j + 1] outputs 16-31. While it multiplies, it
+ * brings the next panel (the same offset, one panel on) into L2: once a block has more than a few rows, a
+ * thread's arithmetic and its weight stream then overlap instead of alternating (a [3072, 576] layer on Zen 4:
+ * 16 rows 0.18 -> 0.15 ms, 8 rows and 1 row unchanged). Past the last panel it prefetches nothing useful, and a
+ * prefetch never faults. */
+static inline __attribute__((always_inline)) void panel_acc(const bf16 *wp, const bf16 *x, const float *xf,
+                                                            int64_t K, int mb, __m512 *acc) {
+    for (int j = 0; j < 2 * mb; j++) acc[j] = _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+#if X_IS_BF16
+    (void)xf;
+    const uint32_t *xp = (const uint32_t *)x;
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        const bf16 *wk = wp + kp * 2 * PANEL;
+        _mm_prefetch((const char *)(wk + PANEL * K), _MM_HINT_T1); /* the next panel, see below */
+        _mm_prefetch((const char *)(wk + PANEL * K + 32), _MM_HINT_T1);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)wk);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wk + 32));
+        for (int j = 0; j < mb; j++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[j * pairs + kp]);
+            acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], w0, xb);
+            acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], w1, xb);
+        }
+    }
+#else
+    (void)x;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        const bf16 *wk = wp + kp * 2 * PANEL;
+        _mm_prefetch((const char *)(wk + PANEL * K), _MM_HINT_T1);
+        _mm_prefetch((const char *)(wk + PANEL * K + 32), _MM_HINT_T1);
+        const __m512i v0 = _mm512_loadu_si512((const void *)wk), v1 = _mm512_loadu_si512((const void *)(wk + 32));
+        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+        const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+        for (int j = 0; j < mb; j++) {
+            const __m512 xe = _mm512_set1_ps(xf[j * K + 2 * kp]), xo = _mm512_set1_ps(xf[j * K + 2 * kp + 1]);
+            acc[2 * j] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, acc[2 * j]));
+            acc[2 * j + 1] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, acc[2 * j + 1]));
+        }
+    }
+#endif
+}
+
+/* A call of CALL(mb) with mb a constant: constant row counts keep the accumulators in registers. */
+#define PANEL_ROWS_SWITCH(mb, CALL)    \
+    switch (mb) {                      \
+        case 1: CALL(1); break;        \
+        case 2: CALL(2); break;        \
+        case 3: CALL(3); break;        \
+        case 4: CALL(4); break;        \
+        case 5: CALL(5); break;        \
+        case 6: CALL(6); break;        \
+        case 7: CALL(7); break;        \
+        case 8: CALL(8); break;        \
+        case 9: CALL(9); break;        \
+        case 10: CALL(10); break;      \
+        case 11: CALL(11); break;      \
+        default: CALL(12); break;      \
+    }
+
+/* Outputs n0 .. n0 + PANEL of mb input rows into y [mb, N] (row stride N), plus the bias, rounded to bf16 once. */
+static inline __attribute__((always_inline)) void panel_tile(const bf16 *wp, const bf16 *x, const float *xf,
+                                                             const bf16 *bias, bf16 *y, int64_t N, int64_t K,
+                                                             int64_t n0, int mb) {
+    __m512 acc[2 * PANEL_MB];
+    panel_acc(wp, x, xf, K, mb, acc);
+    const int64_t valid = N - n0 < PANEL ? N - n0 : PANEL;
+    const __mmask16 m0 = (__mmask16)(valid >= 16 ? 0xffffu : (1u << valid) - 1);
+    const __mmask16 m1 = (__mmask16)(valid >= 32 ? 0xffffu : valid <= 16 ? 0u : (1u << (valid - 16)) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = load_bf16x16_masked(bias + n0, m0);
+        b1 = load_bf16x16_masked(bias + n0 + 16, m1);
+    }
+    for (int j = 0; j < mb; j++) {
+        const __m512 s0 = bias ? _mm512_add_ps(acc[2 * j], b0) : acc[2 * j];
+        const __m512 s1 = bias ? _mm512_add_ps(acc[2 * j + 1], b1) : acc[2 * j + 1];
+        _mm256_mask_storeu_epi16(y + j * N + n0, m0, f2bf_x16(s0));
+        if (m1) _mm256_mask_storeu_epi16(y + j * N + n0 + 16, m1, f2bf_x16(s1));
+    }
+}
+
+/* y = x @ W^T (+ bias) with W in panels, work-shared over panels (each thread one contiguous range of them:
+ * one sequential stream); inside a parallel region. xf: x widened to fp32 (the AVX-512 path only). */
+static void linear_panels_for(const bf16 *x, const float *xf, const bf16 *wp, const bf16 *bias, bf16 *y,
+                              int64_t M, int64_t N, int64_t K) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const bf16 *w = wp + p * PANEL * K;
+        for (int64_t m = 0; m < M;) {
+            const int mb = panel_chunk(M, m);
+            const bf16 *xm = x + m * K;
+            const float *xfm = xf ? xf + m * K : NULL;
+            bf16 *ym = y + m * N;
+#define LINEAR_TILE(R) panel_tile(w, xm, xfm, bias, ym, N, K, p * PANEL, R)
+            PANEL_ROWS_SWITCH(mb, LINEAR_TILE)
+#undef LINEAR_TILE
+            m += mb;
+        }
+    }
+}
+
+static void linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                          int64_t K, float *xf) {
+    if (!X_IS_BF16) widen(x, M * K, xf);
+    linear_panels_for(x, X_IS_BF16 ? NULL : xf, wp, bias, y, M, N, K);
+}
+#else
+int sd_dense_panels(void) { return 0; }
+int64_t sd_panel_width(void) { return 0; }
+static void linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                          int64_t K, float *xf) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)xf;
+    abort(); /* never packed: sd_dense_panels() is 0 */
+}
+#endif
+
+/* xf: scratch of M * K floats (unused, may be NULL, with AVX512-BF16). */
+void sd_linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K,
+                      float *xf, int threads) {
+#pragma omp parallel num_threads(threads) if (N * K > 32768)
+    linear_panels(x, wp, bias, y, M, N, K, xf);
+}
+
 /* ---- GGUF-native linear layers: weights in their quantized blocks, multiplied as integers ---------------- */
 
 /* A GGUF file's blocks are repacked once at load time (gguf_native.py) into three layouts, each a row of
@@ -939,7 +1060,8 @@ void sd_linear_i8(const bf16 *x, const int8_t *w, const bf16 *scale, const bf16 
  * in fp32: each (weight row, input row) pair keeps one 8-lane accumulator updated block by block in k order,
  * and the offset terms are one dot product over the row's blocks in a fixed order, so a row's bits do not
  * depend on the tile or on the number of rows. */
-enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3 };
+/* Layouts of a linear layer's weights; SD_W_QPANELS | a GGUF layout: that layout's panels (below). */
+enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3, SD_W_PANELS = 4, SD_W_QPANELS = 8 };
 
 static inline int64_t q_block_elems(int fmt) { return fmt == SD_W_Q8H ? 16 : 32; }
 /* Bytes of one block in the row's block area (SD_W_Q4 keeps its offsets apart, after the blocks). */
@@ -972,39 +1094,54 @@ static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
 
 /* Block by block of E: the largest exponent e_max of |x| (bf16 bits), X = rint(x * 2^(141 - e_max)) (so the
  * largest magnitudes land in [2^14, 2^15)), scale 2^(e_max - 141). Blocks whose largest is below 2^-112 (or
- * zero) become zeros; a block holding inf or NaN gets a NaN scale. One thread; the arithmetic is exact except
- * for rint. */
+ * zero) become zeros; a block holding inf or NaN gets a NaN scale. Work-shared over blocks (a block's result
+ * depends on its own elements only); the arithmetic is exact except for rint (to nearest even, as lrintf in the
+ * default rounding mode and VCVTPS2DQ). */
 static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
-#pragma omp single
-    {
-        const int64_t E = q_block_elems(fmt), blocks = M * K / E;
-        for (int64_t b = 0; b < blocks; b++) {
-            const bf16 *xb = x + b * E;
-            int e_max = 0;
-            for (int64_t i = 0; i < E; i++) {
-                const int e = (xb[i] >> 7) & 0xFF;
-                e_max = e > e_max ? e : e_max;
-            }
-            int32_t total = 0;
-            float scale = 0.0f;
-            if (e_max >= 15 && e_max < 255) {
-                uint32_t up_bits = (uint32_t)(141 - e_max + 127) << 23, down_bits = (uint32_t)(e_max - 141 + 127) << 23;
-                float up, down;
-                memcpy(&up, &up_bits, 4);
-                memcpy(&down, &down_bits, 4);
-                scale = down;
-                for (int64_t i = 0; i < E; i++) {
-                    const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
-                    in.X[b * E + i] = (int16_t)v;
-                    total += v;
-                }
-            } else {
-                for (int64_t i = 0; i < E; i++) in.X[b * E + i] = 0;
-                if (e_max == 255) scale = NAN; /* an inf or NaN input yields NaN outputs, as a float dot would */
-            }
-            in.scale[b] = scale;
-            if (fmt == SD_W_Q4) in.offset_in[b] = scale * (float)total;
+    const int64_t E = q_block_elems(fmt), blocks = M * K / E;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const bf16 *xb = x + b * E;
+#ifdef SD_AVX512
+        __m256i e16 = _mm256_setzero_si256(); /* the exponent field of each element, in 16-bit lanes */
+        for (int64_t h = 0; h < E; h += 16)
+            e16 = _mm256_max_epu16(e16, _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(xb + h)), 7),
+                                                         _mm256_set1_epi16(0xFF)));
+        const int e_max = _mm512_reduce_max_epi32(_mm512_cvtepu16_epi32(e16));
+#else
+        int e_max = 0;
+        for (int64_t i = 0; i < E; i++) {
+            const int e = (xb[i] >> 7) & 0xFF;
+            e_max = e > e_max ? e : e_max;
         }
+#endif
+        int32_t total = 0;
+        float scale = 0.0f;
+        if (e_max >= 15 && e_max < 255) {
+            uint32_t up_bits = (uint32_t)(141 - e_max + 127) << 23, down_bits = (uint32_t)(e_max - 141 + 127) << 23;
+            float up, down;
+            memcpy(&up, &up_bits, 4);
+            memcpy(&down, &down_bits, 4);
+            scale = down;
+#ifdef SD_AVX512
+            for (int64_t h = 0; h < E; h += 16) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(xb + h), _mm512_set1_ps(up)));
+                _mm256_storeu_si256((__m256i *)(in.X + b * E + h), _mm512_cvtepi32_epi16(v));
+                total += _mm512_reduce_add_epi32(v);
+            }
+#else
+            for (int64_t i = 0; i < E; i++) {
+                const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
+                in.X[b * E + i] = (int16_t)v;
+                total += v;
+            }
+#endif
+        } else {
+            for (int64_t i = 0; i < E; i++) in.X[b * E + i] = 0;
+            if (e_max == 255) scale = NAN; /* an inf or NaN input yields NaN outputs, as a float dot would */
+        }
+        in.scale[b] = scale;
+        if (fmt == SD_W_Q4) in.offset_in[b] = scale * (float)total;
     }
 }
 
@@ -1131,16 +1268,10 @@ static inline void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input 
     }
 
 /* Work-shared over blocks of 16 output features, inside a parallel region, on q_quantize_input's `all`. */
-/* Weight rows per tile: one, read in memory order, on AVX-512 machines (AMD Zen 4 draws twice the bandwidth
- * from one sequential stream as from several interleaved ones; see dot_tile) and for blocks of input rows;
- * QNB_DECODE interleaved rows for decoding elsewhere (the AVX2 path, as measured on AMD Zen 3). */
+/* Weight rows per tile: one for blocks of input rows, QNB_DECODE interleaved rows for decoding (as measured on
+ * AMD Zen 3). AVX-512 builds multiply in panels instead (linear_qp_for). */
 static inline int q_tile_rows(int64_t M, int64_t left) {
-#ifdef SD_AVX512
-    (void)M, (void)left;
-    return 1;
-#else
     return M > 1 ? 1 : left < QNB_DECODE ? (int)left : QNB_DECODE;
-#endif
 }
 
 static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
@@ -1245,6 +1376,213 @@ void sd_linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf1
     linear_q(x, w, fmt, bias, y, M, N, K, scratch);
 }
 
+/* ---- GGUF-native weights in panels (AVX-512) -------------------------------------------------------------- */
+
+/* Why: in rows (above), each (weight row, input row) pair decodes the row's blocks and reduces 8 lanes at the
+ * end, so a block of M tokens costs M times the decoding work and verification is compute-bound from 2 rows on
+ * (a 4-token block of SmolLM2 cost 3.4 one-token forwards on AMD Zen 4). In panels, as the bf16 panels, a vector
+ * holds 16 *outputs*: the weights of 16 output rows are interleaved by pairs of k, decoded once per block into
+ * 16-bit lanes, and multiplied by an input pair broadcast to every lane (VPDPWSSD: 2 exact products per lane
+ * and instruction) for every input row of the tile. Each output keeps, in a lane of its own, its block's exact
+ * integer sum, then its fp32 accumulator updated block by block in k order: the same operations for any number
+ * of rows.
+ *
+ * Layout: for each panel of QPANEL outputs (the last one zero-padded) its blocks in k order, each
+ *   Q4:  fp32 scales [16], fp32 offsets [16], then 8 chunks of 32 bytes: chunk c byte 2l + i holds
+ *        q[l][4c + i] (low nibble) and q[l][4c + 2 + i] (high nibble), i = 0, 1 (pairs 2c and 2c + 1);
+ *   Q8:  fp32 scales [16], then 16 pairs of 32 bytes: pair p byte 2l + i = q[l][2p + i] (int8);
+ *   Q8H: fp32 scales [16], then 8 pairs of 32 bytes, as Q8 (E = 16).
+ * y[m, n] = sum_b s_b (2^e_b sum_i q_i X_i) [+ sum_b m_b (2^e_b sum_i X_i), its own accumulator, for Q4]. */
+#define QPANEL 16
+#define QP_MB 8 /* input rows per tile: 8 integer sums and 8 (Q4: 16) fp32 accumulators */
+
+static inline int64_t qp_block_bytes(int fmt) {
+    return fmt == SD_W_Q4 ? 64 + 64 + 256 : fmt == SD_W_Q8 ? 64 + 512 : 64 + 256;
+}
+static inline int64_t qp_panel_bytes(int fmt, int64_t K) { return K / q_block_elems(fmt) * qp_block_bytes(fmt); }
+int64_t sd_qp_panel_bytes(int fmt, int64_t K) { return qp_panel_bytes(fmt, K); }
+
+/* Rows [N, q_row_bytes] of layout fmt into panels [ceil(N / QPANEL), qp_panel_bytes] (a permutation of the
+ * same integers and scales; rows past N zero). */
+void sd_q_to_panels(const uint8_t *rows, int fmt, int64_t N, int64_t K, uint8_t *panels, int threads) {
+    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E, row_bytes = q_row_bytes(fmt, K);
+    const int64_t npanels = (N + QPANEL - 1) / QPANEL, PB = qp_block_bytes(fmt);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < npanels; p++)
+        for (int64_t b = 0; b < nblk; b++) {
+            uint8_t *dst = panels + p * qp_panel_bytes(fmt, K) + b * PB;
+            memset(dst, 0, (size_t)PB);
+            for (int64_t l = 0; l < QPANEL && p * QPANEL + l < N; l++) {
+                const uint8_t *row = rows + (p * QPANEL + l) * row_bytes, *blk = row + b * BB;
+                memcpy(dst + 4 * l, blk, 4); /* scale */
+                uint8_t q[32];             /* the block's integers (as bytes: nibbles 0..15, or int8) */
+                if (fmt == SD_W_Q4) {
+                    memcpy(dst + 64 + 4 * l, row + nblk * BB + b * 4, 4); /* offset */
+                    for (int e = 0; e < 16; e++) {
+                        q[e] = blk[4 + e] & 0x0F;
+                        q[e + 16] = blk[4 + e] >> 4;
+                    }
+                    for (int c = 0; c < 8; c++)
+                        for (int i = 0; i < 2; i++)
+                            dst[128 + 32 * c + 2 * l + i] = (uint8_t)(q[4 * c + i] | (q[4 * c + 2 + i] << 4));
+                } else {
+                    memcpy(q, blk + 4, (size_t)E);
+                    for (int64_t pr = 0; pr < E / 2; pr++)
+                        for (int i = 0; i < 2; i++) dst[64 + 32 * pr + 2 * l + i] = q[2 * pr + i];
+                }
+            }
+        }
+}
+
+#ifdef SD_AVX512
+int sd_q_panels(void) { return 1; }
+
+static inline __m512i qp_dot(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); /* the same exact integer sums */
+#endif
+}
+
+/* The QPANEL outputs of panel w for mb input rows into y [mb, N] (+ bias), rounded to bf16 once. `in` holds the
+ * tile's rows (X with row stride K, scales and offsets with row stride nblk). */
+static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t *w, q_input in, int64_t K,
+                                                          int64_t panel_bytes, const bf16 *bias, bf16 *y,
+                                                          int64_t N, int64_t n0, int mb) {
+    const int64_t E = q_block_elems(fmt), PB = qp_block_bytes(fmt), nblk = K / E;
+    __m512 acc[QP_MB], off[QP_MB];
+    for (int j = 0; j < mb; j++) acc[j] = off[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *blk = w + b * PB;
+        _mm_prefetch((const char *)(blk + panel_bytes), _MM_HINT_T1); /* the next panel, as panel_acc */
+        _mm_prefetch((const char *)(blk + panel_bytes + 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(blk + panel_bytes + 128), _MM_HINT_T1);
+        _mm_prefetch((const char *)(blk + panel_bytes + 192), _MM_HINT_T1);
+        _mm_prefetch((const char *)(blk + panel_bytes + 256), _MM_HINT_T1);
+        if (fmt != SD_W_Q8H) {
+            _mm_prefetch((const char *)(blk + panel_bytes + 320), _MM_HINT_T1);
+            if (fmt == SD_W_Q8) {
+                _mm_prefetch((const char *)(blk + panel_bytes + 384), _MM_HINT_T1);
+                _mm_prefetch((const char *)(blk + panel_bytes + 448), _MM_HINT_T1);
+                _mm_prefetch((const char *)(blk + panel_bytes + 512), _MM_HINT_T1);
+            }
+        }
+        /* Integer sums are exact in any order, so few rows split theirs over independent accumulators (pairs
+         * in turn): one chain of VPDPWSSD per row would wait on the instruction's latency. */
+        const int split = mb == 1 ? 4 : mb <= 4 ? 2 : 1;
+        __m512i isum[QP_MB][4];
+        for (int j = 0; j < mb; j++)
+            for (int a = 0; a < split; a++) isum[j][a] = _mm512_setzero_si512();
+        const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 128 : 64);
+        for (int64_t c = 0; c < E / 2 / (fmt == SD_W_Q4 ? 2 : 1); c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(quants + 32 * c));
+            __m512i wv[2];
+            int pairs = 1;
+            if (fmt == SD_W_Q4) {
+                const __m512i v = _mm512_cvtepu8_epi16(bytes);
+                wv[0] = _mm512_and_si512(v, _mm512_set1_epi16(0x0F));
+                wv[1] = _mm512_srli_epi16(v, 4);
+                pairs = 2;
+            } else {
+                wv[0] = _mm512_cvtepi8_epi16(bytes);
+            }
+            for (int h = 0; h < pairs; h++) {
+                const int64_t pair = pairs * c + h, k = 2 * pair; /* k: the pair's first element in the block */
+                for (int j = 0; j < mb; j++) {
+                    int32_t xpair;
+                    memcpy(&xpair, in.X + j * K + b * E + k, 4);
+                    isum[j][pair % split] = qp_dot(isum[j][pair % split], wv[h], _mm512_set1_epi32(xpair));
+                }
+            }
+        }
+        const __m512 s = _mm512_loadu_ps((const float *)blk);
+        for (int j = 0; j < mb; j++) {
+            for (int a = 1; a < split; a++) isum[j][0] = _mm512_add_epi32(isum[j][0], isum[j][a]);
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[j][0]), _mm512_set1_ps(in.scale[j * nblk + b]));
+            acc[j] = _mm512_fmadd_ps(s, t, acc[j]);
+        }
+        if (fmt == SD_W_Q4) {
+            const __m512 m = _mm512_loadu_ps((const float *)(blk + 64));
+            for (int j = 0; j < mb; j++)
+                off[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.offset_in[j * nblk + b]), off[j]);
+        }
+    }
+    const int64_t valid = N - n0 < QPANEL ? N - n0 : QPANEL;
+    const __mmask16 lanes = (__mmask16)(valid >= 16 ? 0xffffu : (1u << valid) - 1);
+    const __m512 bv = bias ? load_bf16x16_masked(bias + n0, lanes) : _mm512_setzero_ps();
+    for (int j = 0; j < mb; j++) {
+        __m512 v = fmt == SD_W_Q4 ? _mm512_add_ps(acc[j], off[j]) : acc[j];
+        if (bias) v = _mm512_add_ps(v, bv);
+        _mm256_mask_storeu_epi16(y + j * N + n0, lanes, f2bf_x16(v));
+    }
+}
+
+/* Input rows of the chunk starting at row m: ceil(M / QP_MB) chunks of near-equal size. */
+static inline int qp_chunk(int64_t M, int64_t m) {
+    const int64_t chunks = (M + QP_MB - 1) / QP_MB, base = M / chunks, extra = M % chunks;
+    return (int)(m < extra * (base + 1) ? base + 1 : base);
+}
+
+#define QP_ROWS_SWITCH(FMT)                                 \
+    switch (mb) {                                           \
+        case 1: QP_CALL(FMT, 1); break;                     \
+        case 2: QP_CALL(FMT, 2); break;                     \
+        case 3: QP_CALL(FMT, 3); break;                     \
+        case 4: QP_CALL(FMT, 4); break;                     \
+        case 5: QP_CALL(FMT, 5); break;                     \
+        case 6: QP_CALL(FMT, 6); break;                     \
+        case 7: QP_CALL(FMT, 7); break;                     \
+        default: QP_CALL(FMT, 8); break;                    \
+    }
+
+/* Work-shared over panels (each thread one contiguous range: one stream), inside a parallel region. */
+static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                          int64_t K) {
+    const int64_t npanels = (N + QPANEL - 1) / QPANEL, nblk = K / q_block_elems(fmt);
+    const int64_t panel_bytes = qp_panel_bytes(fmt, K);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < npanels; p++) {
+        const uint8_t *wp = w + p * panel_bytes;
+        for (int64_t m = 0; m < M;) {
+            const int mb = qp_chunk(M, m);
+            const q_input in = {all.X + m * K, all.scale + m * nblk, fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+#define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
+            if (fmt == SD_W_Q4) {
+                QP_ROWS_SWITCH(SD_W_Q4)
+            } else if (fmt == SD_W_Q8) {
+                QP_ROWS_SWITCH(SD_W_Q8)
+            } else {
+                QP_ROWS_SWITCH(SD_W_Q8H)
+            }
+#undef QP_CALL
+            m += mb;
+        }
+    }
+}
+
+/* A GGUF-native linear layer in panels inside a parallel region; scratch: q_scratch_floats(M, K) floats. */
+static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                      int64_t K, float *scratch) {
+    const q_input in = q_input_at(scratch, M, K);
+    q_quantize_input(x, M, K, fmt, in);
+    linear_qp_for(in, w, fmt, bias, y, M, N, K);
+}
+#else
+int sd_q_panels(void) { return 0; }
+static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                      int64_t K, float *scratch) {
+    (void)x, (void)w, (void)fmt, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)scratch;
+    abort(); /* never packed: sd_q_panels() is 0 */
+}
+#endif
+
+void sd_linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                  int64_t K, float *scratch, int threads) {
+#pragma omp parallel num_threads(threads) if (N * K > 32768)
+    linear_qp(x, w, fmt, bias, y, M, N, K, scratch);
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
 
 /* Llama style rounds the normalized row to bf16 before scaling by w; Gemma style scales by (1 + w) in fp32:
@@ -1324,6 +1662,7 @@ static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm
 
 /* ---- attention over the cache --------------------------------------------------------------------------- */
 
+#ifndef SD_AVX512
 /* q [B*T, H, D] -> out [B*T, H, D], work-shared over (row, head). mask [B*T, key_len] is additive fp32; keys it
  * hides (-inf) are skipped, so a token's result depends only on the keys it sees, in cache order, and not on
  * the padding or the block it was verified in. softcap > 0 applies tanh capping to the scores.
@@ -1364,6 +1703,127 @@ static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
         for (int64_t d = 0; d < D; d++) out[idx * D + d] = f2bf(acc[d] * inv);
     }
 }
+#endif
+
+#ifdef SD_AVX512
+#define PV_QUERIES 6 /* queries per pass over the values: 6 x 4 accumulators */
+
+/* a[j][l] = sum over keys k in [lo, hi), in order, of p[j][k] * v[k][16 l .. 16 l + 16) (v with row stride D):
+ * one FMA per lane and key, `vectors` (a constant at each call) vectors of 16 dimensions. */
+static inline __attribute__((always_inline)) void pv_block(const float *const *p, const bf16 *v, int64_t D,
+                                                           int64_t lo, int64_t hi, int vectors,
+                                                           __m512 a[PV_QUERIES][4]) {
+    for (int j = 0; j < PV_QUERIES; j++)
+        for (int l = 0; l < vectors; l++) a[j][l] = _mm512_setzero_ps();
+    for (int64_t k = lo; k < hi; k++) {
+        __m512 vk[4];
+        for (int l = 0; l < vectors; l++) vk[l] = load_bf16x16(v + k * D + 16 * l);
+        for (int j = 0; j < PV_QUERIES; j++) {
+            const __m512 pk = _mm512_set1_ps(p[j][k]);
+            for (int l = 0; l < vectors; l++) a[j][l] = _mm512_fmadd_ps(pk, vk[l], a[j][l]);
+        }
+    }
+}
+
+/* The softmax and the weighted sum of values of nq <= 16 queries of one sequence b and kv head kv, given their
+ * raw dot products with keys 0 .. key_len (scores[j * stride + k], query j of the unit being query q0 + j of
+ * the block: row (q0 + j) / group, head kv * group + (q0 + j) % group). scores is overwritten; live_p holds
+ * stride floats. Shared by the AMX and the AVX-512 attention, which differ in how they get the dot products. */
+static void attention_finish(float *scores, int64_t stride, float *live_p, const float *mask, const bf16 *values,
+                             int64_t b, int64_t T, int64_t H, int64_t kv, int64_t group, int64_t q0, int64_t nq,
+                             int64_t D, int64_t key_len, float scale, float softcap, bf16 *out) {
+    float inv[16];
+    int64_t first[16], last[16]; /* each query's first and one past its last visible key */
+    /* Softmax per query, in place, 16 keys per vector (lane k % 16 holds key k whatever key_len, and keys
+     * past a row's own are masked, so extra blocks add exact zeros): masked keys get probability 0 and
+     * are skipped below. */
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nq; j++) {
+        const int64_t i = q0 + j, row = b * T + i / group;
+        const float *m = mask + row * key_len;
+        float *s = scores + j * stride;
+        if (softcap > 0.0f)
+            for (int64_t k = 0; k < key_len; k++)
+                s[k] = m[k] == -INFINITY ? -INFINITY : tanhf(s[k] * scale / softcap) * softcap + m[k];
+        __m512 vbest = minus_inf;
+        for (int64_t k = 0; k < key_len; k += 16) {
+            const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
+            const __m512 mk = _mm512_mask_loadu_ps(minus_inf, lanes, m + k);
+            __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
+            if (softcap <= 0.0f) v = _mm512_add_ps(_mm512_mul_ps(v, vscale), mk); /* rounded as attention_for */
+            v = _mm512_mask_mov_ps(minus_inf, _mm512_cmp_ps_mask(mk, minus_inf, _CMP_NEQ_OQ), v);
+            _mm512_mask_storeu_ps(s + k, lanes, v);
+            vbest = _mm512_max_ps(vbest, v);
+        }
+        const float best = _mm512_reduce_max_ps(vbest);
+        int64_t n_live = 0; /* the probabilities of the keys this query sees, in key order, into live_p */
+        first[j] = key_len;
+        last[j] = 0;
+        if (best != -INFINITY) {
+            const __m512 vb = _mm512_set1_ps(best);
+            for (int64_t k = 0; k < key_len; k += 16) {
+                const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
+                const __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
+                const __mmask16 live = lanes & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
+                const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, vb)));
+                _mm512_mask_compressstoreu_ps(live_p + n_live, live, p);
+                n_live += __builtin_popcount(live);
+                if (live) {
+                    if (first[j] == key_len) first[j] = k + __builtin_ctz(live);
+                    last[j] = k + 32 - __builtin_clz((unsigned)live);
+                }
+                _mm512_mask_storeu_ps(s + k, lanes, p);
+            }
+        } else {
+            for (int64_t k = 0; k < key_len; k++) s[k] = 0.0f;
+        }
+        /* The denominator in 16 lanes by rank among the visible keys, not by key position: a tree node's
+         * ancestors sit apart in the block, on its path decoded alone they are adjacent, and the sum
+         * must be the same. */
+        __m512 vtotal = _mm512_setzero_ps();
+        for (int64_t k = 0; k < n_live; k += 16) {
+            const __mmask16 lanes = n_live - k >= 16 ? 0xffff : (__mmask16)((1u << (n_live - k)) - 1);
+            vtotal = _mm512_add_ps(vtotal, _mm512_maskz_loadu_ps(lanes, live_p + k));
+        }
+        const float total_p = _mm512_reduce_add_ps(vtotal);
+        inv[j] = total_p > 0.0f ? 1.0f / total_p : 0.0f;
+    }
+    /* Weighted values: PV_QUERIES queries at a time share each value row's conversion to fp32; each query still
+     * adds its keys in order with one FMA per lane. A key it does not see has probability 0 and adds 0 * v,
+     * which changes no bit (values are finite: the cache starts zeroed), so keys need no test; the loop covers
+     * the keys any of the queries sees. Rows past nq read zeros (live_p, cleared). */
+    for (int64_t k = 0; k < stride; k++) live_p[k] = 0.0f;
+    for (int64_t j0 = 0; j0 < nq; j0 += PV_QUERIES) {
+        const float *p[PV_QUERIES];
+        int64_t lo = key_len, hi = 0;
+        for (int j = 0; j < PV_QUERIES; j++) {
+            p[j] = j0 + j < nq ? scores + (j0 + j) * stride : live_p;
+            if (j0 + j < nq && first[j0 + j] < lo) lo = first[j0 + j];
+            if (j0 + j < nq && last[j0 + j] > hi) hi = last[j0 + j];
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            __m512 a[PV_QUERIES][4];
+            const int vectors = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
+#define PV_CALL(V) pv_block(p, values + d0, D, lo, hi, V, a)
+            switch (vectors) {
+                case 1: PV_CALL(1); break;
+                case 2: PV_CALL(2); break;
+                case 3: PV_CALL(3); break;
+                default: PV_CALL(4); break;
+            }
+#undef PV_CALL
+            for (int j = 0; j < PV_QUERIES && j0 + j < nq; j++) {
+                const int64_t i = q0 + j0 + j, row = b * T + i / group, h = kv * group + i % group;
+                const __m512 scale_j = _mm512_set1_ps(inv[j0 + j]);
+                for (int l = 0; l < vectors; l++)
+                    _mm256_storeu_si256((__m256i *)(out + (row * H + h) * D + d0 + 16 * l),
+                                        f2bf_x16(_mm512_mul_ps(a[j][l], scale_j)));
+            }
+        }
+    }
+}
+
+#endif
 
 #ifdef SD_AMX
 /* Key block kb (16 rows of D) of one sequence and kv head; the last, partial one zero-padded into kpad. */
@@ -1404,7 +1864,6 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
     float *scores = malloc((size_t)(17 * stride) * sizeof(float)), *live_p = scores + 16 * stride;
     uint32_t *packed = malloc((size_t)(16 * words) * sizeof(uint32_t));
     bf16 *kpad = malloc((size_t)(16 * D) * sizeof(bf16));
-    float acc[16], inv[16];
     if (!scores || !packed || !kpad) abort();
     amx_configure();
 #pragma omp for schedule(static)
@@ -1456,86 +1915,90 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
                 amx_scatter_scores(0, scores, stride, kb, nq);
             }
         }
-        /* Softmax per query, in place, 16 keys per vector (lane k % 16 holds key k whatever key_len, and keys
-         * past a row's own are masked, so extra blocks add exact zeros): masked keys get probability 0 and
-         * are skipped below. */
-        const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < nq; j++) {
-            const int64_t i = q0 + j, row = b * T + i / group;
-            const float *m = mask + row * key_len;
-            float *s = scores + j * stride;
-            if (softcap > 0.0f)
-                for (int64_t k = 0; k < key_len; k++)
-                    s[k] = m[k] == -INFINITY ? -INFINITY : tanhf(s[k] * scale / softcap) * softcap + m[k];
-            __m512 vbest = minus_inf;
-            for (int64_t k = 0; k < key_len; k += 16) {
-                const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
-                const __m512 mk = _mm512_mask_loadu_ps(minus_inf, lanes, m + k);
-                __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
-                if (softcap <= 0.0f) v = _mm512_add_ps(_mm512_mul_ps(v, vscale), mk); /* rounded as attention_for */
-                v = _mm512_mask_mov_ps(minus_inf, _mm512_cmp_ps_mask(mk, minus_inf, _CMP_NEQ_OQ), v);
-                _mm512_mask_storeu_ps(s + k, lanes, v);
-                vbest = _mm512_max_ps(vbest, v);
-            }
-            const float best = _mm512_reduce_max_ps(vbest);
-            int64_t n_live = 0; /* the probabilities of the keys this query sees, in key order, into live_p */
-            if (best != -INFINITY) {
-                const __m512 vb = _mm512_set1_ps(best);
-                for (int64_t k = 0; k < key_len; k += 16) {
-                    const __mmask16 lanes = key_len - k >= 16 ? 0xffff : (__mmask16)((1u << (key_len - k)) - 1);
-                    const __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
-                    const __mmask16 live = lanes & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
-                    const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, vb)));
-                    _mm512_mask_compressstoreu_ps(live_p + n_live, live, p);
-                    n_live += __builtin_popcount(live);
-                    _mm512_mask_storeu_ps(s + k, lanes, p);
-                }
-            } else {
-                for (int64_t k = 0; k < key_len; k++) s[k] = 0.0f;
-            }
-            /* The denominator in 16 lanes by rank among the visible keys, not by key position: a tree node's
-             * ancestors sit apart in the block, on its path decoded alone they are adjacent, and the sum
-             * must be the same. */
-            __m512 vtotal = _mm512_setzero_ps();
-            for (int64_t k = 0; k < n_live; k += 16) {
-                const __mmask16 lanes = n_live - k >= 16 ? 0xffff : (__mmask16)((1u << (n_live - k)) - 1);
-                vtotal = _mm512_add_ps(vtotal, _mm512_maskz_loadu_ps(lanes, live_p + k));
-            }
-            const float total_p = _mm512_reduce_add_ps(vtotal);
-            inv[j] = total_p > 0.0f ? 1.0f / total_p : 0.0f;
-        }
-        /* Weighted values: up to 4 queries at a time share each value row's conversion to fp32; each query
-         * still adds its keys in order with one FMA per lane, as attention_for does. */
-        const bf16 *values = v_cache + cache_base;
-        for (int64_t j0 = 0; j0 < nq; j0 += 4) {
-            const int n = nq - j0 < 4 ? (int)(nq - j0) : 4;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                const int lanes = D - d0 < 64 ? (int)((D - d0) / 16) : 4;
-                __m512 a[4][4];
-                for (int j = 0; j < 4; j++)
-                    for (int l = 0; l < 4; l++) a[j][l] = _mm512_setzero_ps();
-                for (int64_t k = 0; k < key_len; k++) {
-                    __m512 v[4];
-                    for (int l = 0; l < lanes; l++) v[l] = load_bf16x16(values + k * D + d0 + 16 * l);
-                    for (int j = 0; j < n; j++) {
-                        const float p = scores[(j0 + j) * stride + k];
-                        if (p == 0.0f) continue; /* masked (or underflowed: adding 0 changes no bit) */
-                        const __m512 vp = _mm512_set1_ps(p);
-                        for (int l = 0; l < lanes; l++) a[j][l] = _mm512_fmadd_ps(vp, v[l], a[j][l]);
-                    }
-                }
-                for (int j = 0; j < n; j++) {
-                    const int64_t i = q0 + j0 + j, row = b * T + i / group, h = kv * group + i % group;
-                    for (int l = 0; l < lanes; l++) {
-                        _mm512_storeu_ps(acc, _mm512_mul_ps(a[j][l], _mm512_set1_ps(inv[j0 + j])));
-                        for (int e = 0; e < 16; e++) out[(row * H + h) * D + d0 + 16 * l + e] = f2bf(acc[e]);
-                    }
-                }
-            }
-        }
+        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, b, T, H, kv, group, q0, nq, D, key_len,
+                         scale, softcap, out);
     }
     free(kpad);
     free(packed);
+    free(scores);
+}
+#endif
+
+#ifdef SD_AVX512
+/* Attention on AVX-512 without tiles, work-shared over units of up to 16 queries of one sequence and kv head.
+ * A unit's keys are transposed once into panels of PANEL keys ([D / 2][PANEL] pairs of dimensions, the linear
+ * layers' weight layout with the keys as outputs), so one broadcast query pair meets 16 keys per instruction and
+ * each score is summed over the dimensions in order in a lane of its own: the same operations whatever the
+ * block, with no reduction across lanes (the vector attention_for reduces 16 lanes per query and key, which
+ * made a 32-token block's attention cost as much as its MLPs). Then attention_finish, as on AMX. */
+static void attention_panels_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *slots,
+                                 const float *mask, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                 int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out) {
+    const int64_t group = H / Hkv, queries = T * group, words = D / 2;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    /* at least one unit per thread where there are queries enough (one token of a model with one kv head) */
+    int64_t chunks = (queries + 15) / 16;
+    if (B * Hkv * chunks < threads) chunks = (threads + B * Hkv - 1) / (B * Hkv) < queries ? (threads + B * Hkv - 1) / (B * Hkv) : queries;
+    const int64_t units = B * Hkv * chunks, kpanels = (key_len + PANEL - 1) / PANEL, stride = kpanels * PANEL;
+    float *scores = malloc((size_t)(17 * stride) * sizeof(float)), *live_p = scores + 16 * stride;
+    uint32_t *kpanel = malloc((size_t)(stride * words) * sizeof(uint32_t));
+    bf16 *qb = malloc((size_t)(16 * D) * sizeof(bf16));
+    float *qf = malloc((size_t)(16 * D) * sizeof(float));
+    if (!scores || !kpanel || !qb || !qf) abort();
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t c = u % chunks, kv = (u / chunks) % Hkv, b = u / (chunks * Hkv);
+        const int64_t base = queries / chunks, extra = queries % chunks;
+        const int64_t q0 = c * base + (c < extra ? c : extra), nq = base + (c < extra);
+        const int64_t cache_base = (slots[b] * Hkv + kv) * max_len * D;
+        for (int64_t j = 0; j < nq; j++) {
+            const int64_t i = q0 + j;
+            const bf16 *src = q + ((b * T + i / group) * H + kv * group + i % group) * D;
+            memcpy(qb + j * D, src, (size_t)D * sizeof(bf16));
+            if (!X_IS_BF16)
+                for (int64_t d = 0; d < D; d++) qf[j * D + d] = bf2f(src[d]);
+        }
+        /* keys [key_len, D] as words [key_len, D / 2], 16 x 16 blocks transposed into the panels */
+        const uint32_t *keys = (const uint32_t *)(k_cache + cache_base);
+        for (int64_t k0 = 0; k0 < stride; k0 += 16) {
+            const int64_t nkeys = key_len - k0 < 16 ? (key_len - k0 > 0 ? key_len - k0 : 0) : 16;
+            uint32_t *dst = kpanel + (k0 / PANEL) * PANEL * words + k0 % PANEL;
+            for (int64_t w0 = 0; w0 < words; w0 += 16) {
+                const int64_t nw = words - w0 < 16 ? words - w0 : 16;
+                const __mmask16 lanes = (__mmask16)(nw == 16 ? 0xffffu : (1u << nw) - 1);
+                __m512 r[16];
+                for (int64_t i = 0; i < 16; i++)
+                    r[i] = i < nkeys ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(lanes, keys + (k0 + i) * words + w0))
+                                     : _mm512_setzero_ps();
+                transpose16(r); /* r[w]: word w0 + w of the 16 keys */
+                for (int64_t w = 0; w < nw; w++) _mm512_storeu_ps((float *)(dst + (w0 + w) * PANEL), r[w]);
+            }
+        }
+        for (int64_t p = 0; p < kpanels; p++) {
+            const bf16 *wp = (const bf16 *)(kpanel + p * PANEL * words);
+            for (int64_t m = 0; m < nq;) {
+                const int mb = panel_chunk(nq, m);
+                __m512 acc[2 * PANEL_MB];
+#define SCORE_ACC(R) panel_acc(wp, qb + m * D, qf + m * D, D, R, acc)
+                PANEL_ROWS_SWITCH(mb, SCORE_ACC)
+#undef SCORE_ACC
+                for (int j = 0; j < mb; j++) {
+                    _mm512_storeu_ps(scores + (m + j) * stride + p * PANEL, acc[2 * j]);
+                    _mm512_storeu_ps(scores + (m + j) * stride + p * PANEL + 16, acc[2 * j + 1]);
+                }
+                m += mb;
+            }
+        }
+        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, b, T, H, kv, group, q0, nq, D, key_len,
+                         scale, softcap, out);
+    }
+    free(qf);
+    free(qb);
+    free(kpanel);
     free(scores);
 }
 #endif
@@ -1595,6 +2058,14 @@ static void layer_linear(const bf16 *x, const void *w, const bf16 *scale, int64_
                          int64_t M, int64_t N, int64_t K, float *xf, float *qbuf) {
     if (fmt == SD_W_DENSE) {
         linear_any(x, w, scale, bias, y, M, N, K, xf);
+        return;
+    }
+    if (fmt == SD_W_PANELS) {
+        linear_panels(x, (const bf16 *)w, bias, y, M, N, K, xf);
+        return;
+    }
+    if (fmt & SD_W_QPANELS) {
+        linear_qp(x, (const uint8_t *)w, (int)(fmt & ~SD_W_QPANELS), bias, y, M, N, K, qbuf);
         return;
     }
     linear_q(x, (const uint8_t *)w, (int)fmt, bias, y, M, N, K, qbuf);
@@ -1662,8 +2133,13 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
                                   mdl->scale, mdl->softcap, att);
             else
 #endif
+#ifdef SD_AVX512
+            attention_panels_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
+                                 mdl->scale, mdl->softcap, att);
+#else
             attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
+#endif
             layer_linear(att, L->wo, L->wo_scale, L->wo_fmt, NULL, h, rows, dim, H * D, xf, qbuf);
             add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
             layer_linear(normed, L->w_gate_up, L->w_gate_up_scale, L->w_gate_up_fmt, NULL, wide, rows, 2 * I, dim, xf,

@@ -11,7 +11,8 @@ Linear layers take the best path the CPU has: AMX tiles (Intel Sapphire Rapids a
 tokens costs little more than one, since the tiles do the arithmetic at the speed the weights stream in),
 AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one path for every bf16 layer
 (decoding one token included), so the bits never depend on the block. `SPECDRAFT_KERNEL_AMX=0` keeps an AMX
-CPU on the AVX512-BF16 path.
+CPU on the AVX512-BF16 path. Where a CPU retires AVX512-BF16 dot products at less than half the rate of fp32
+FMAs (measured once per CPU, `bf16_dot_pays`), the native build leaves them out and takes the AVX-512 path.
 
 The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
 `$SPECDRAFT_CACHE/kernels/`. Without a compiler, or with `SPECDRAFT_KERNELS=0`, the model runs its PyTorch
@@ -30,7 +31,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -42,10 +44,67 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Up to this many new tokens per sequence, blocks run in the fused kernels (bit-identical rows whatever the
 # block); longer blocks (prompts) are compute-bound and go to PyTorch's GEMMs.
 SMALL_BATCH_ROWS = 32
+PROBE_SOURCE = Path(__file__).with_name("bf16_probe.c")
+
+
 def _flags() -> list[str]:
-    """SPECDRAFT_KERNEL_MARCH picks another target than this CPU (tests build the portable x86-64 variant)."""
+    """SPECDRAFT_KERNEL_MARCH picks another target than this CPU (tests build the portable x86-64 variant).
+    A native build leaves AVX512-BF16 out where fp32 FMAs are faster (`bf16_dot_pays`)."""
     march = os.environ.get("SPECDRAFT_KERNEL_MARCH", "native")
-    return ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+    if march == "native" and not bf16_dot_pays():
+        flags.append("-mno-avx512bf16")
+    return flags
+
+
+def _cpu_flags() -> set[str]:
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") and ":" in line else set()
+
+
+def _measure_bf16_dot(cpu: str) -> tuple[float, float]:
+    """(VDPBF16PS, VFMADD) zmm instructions per second on one core, from bf16_probe.c; cached per CPU."""
+    key = hashlib.sha256(PROBE_SOURCE.read_bytes() + cpu.encode()).hexdigest()[:16]
+    cached = cache_root() / "kernels" / f"bf16-probe-{key}.txt"
+    with contextlib.suppress(OSError, ValueError):
+        dot, fma = (float(v) for v in cached.read_text().split()[:2])
+        return dot, fma
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+        exe = Path(tmp) / "bf16-probe"
+        subprocess.run([compiler, "-O3", "-march=native", str(PROBE_SOURCE), "-o", str(exe)], check=True,
+                       capture_output=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout
+        dot, fma = (float(v) for v in out.split()[:2])
+        staged = Path(tmp) / "result"
+        staged.write_text(f"{dot} {fma}\n")
+        staged.replace(cached)
+    return dot, fma
+
+
+@functools.cache
+def bf16_dot_pays() -> bool:
+    """Whether the kernels should multiply with AVX512-BF16 dot products on this CPU (native builds).
+
+    Why: one VDPBF16PS does twice the products of one fp32 VFMADD, but CPUs retire them at very different
+    rates (bf16_probe.c): on an Intel Xeon of the Emerald Rapids class with AMX hidden (measured: 1.33 G/s
+    against 5.4 G/s per core) fp32 multiplies 2x faster, so verification blocks take the AVX-512 fp32 path
+    there. Every row of the process takes the same path, so bits still never depend on the block. AMX CPUs
+    keep AVX512-BF16 (their tiles need it). `SPECDRAFT_KERNEL_BF16=1` or `0` overrides the measurement."""
+    forced = os.environ.get("SPECDRAFT_KERNEL_BF16", "auto")
+    if forced in ("0", "1"):
+        return forced == "1"
+    cpu = _cpu_flags()
+    if "avx512_bf16" not in cpu or "amx_tile" in cpu:
+        return True  # nothing to choose (no BF16 dot products), or AMX (which needs them)
+    try:
+        dot, fma = _measure_bf16_dot(_cpu_signature())
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError):
+        return True  # no measurement: the widths decide
+    return 2 * dot >= fma
 
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
@@ -93,8 +152,9 @@ class LayerPointers(ctypes.Structure):
     )] + [(name, ctypes.c_int64) for name in ("sliding", "wqkv_fmt", "wo_fmt", "w_gate_up_fmt", "w_down_fmt")]
 
 
-# GGUF-native weight layouts of cpu_kernels.c (SD_W_*); gguf_native.py packs them.
-DENSE, Q4, Q8, Q8H = 0, 1, 2, 3
+# Weight layouts of cpu_kernels.c (SD_W_*): bf16 or int8 rows, GGUF-native blocks (gguf_native.py packs them),
+# bf16 panels (`panels`); QPANELS | a GGUF layout: its panels (`q_panels`).
+DENSE, Q4, Q8, Q8H, PANELS, QPANELS = 0, 1, 2, 3, 4, 8
 
 
 class ModelShape(ctypes.Structure):
@@ -121,9 +181,16 @@ _SIGNATURES = {
     "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
+    "sd_linear_panels": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "sd_dense_panels": ([], ctypes.c_int),
+    "sd_panel_width": ([], _I),
     "sd_linear_i8": ([_P, _P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_linear_q": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_scratch_floats": ([_I, _I], _I),
+    "sd_linear_qp": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
+    "sd_q_panels": ([], ctypes.c_int),
+    "sd_qp_panel_bytes": ([ctypes.c_int, _I], _I),
+    "sd_q_to_panels": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
@@ -183,15 +250,86 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T + bias, bf16 in and out, fp32 accumulation."""
+    """x [M, K] @ weight[N, K]^T + bias, bf16 in and out, fp32 accumulation (in `panels` of the weight where
+    this CPU's kernels multiply those)."""
     x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.bfloat16)
     # The AVX512-BF16 kernel reads bf16 x directly; the others widen it to fp32 first, into this.
     scratch = None if k_multiple() == 32 else torch.empty(M * K, dtype=torch.float32)
-    _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
+    if dense_panels():
+        _lib.sd_linear_panels(x.data_ptr(), panels(weight).data_ptr(), _ptr(bias), y.data_ptr(), M, N, K,
+                              _ptr(scratch), threads)
+    else:
+        _lib.sd_linear(x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), M, N, K, _ptr(scratch), threads)
     return y
+
+
+def dense_panels() -> bool:
+    """Whether bf16 weights are multiplied in panels (`panels`) on this CPU: AVX-512 without AMX tiles. The
+    other paths read the weight rows as they are."""
+    return bool(_lib.sd_dense_panels())
+
+
+# (id(tensor), what) -> (weakref to the tensor, its version, its data pointer, the layout made from it); an
+# entry leaves with its tensor.
+_layouts: dict[tuple[int, str], tuple[weakref.ref, int | None, int, torch.Tensor]] = {}
+
+
+def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make() (a rearrangement of `tensor` for the kernels), made once and kept while the tensor lives; made
+    again when the tensor is changed in place (its version counter moves) or its storage is replaced."""
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        version = None
+    key = (id(tensor), what)
+    entry = _layouts.get(key)
+    if entry is not None and entry[0]() is tensor and entry[1] == version and entry[2] == tensor.data_ptr():
+        return entry[3]
+    made = make()
+    alive = weakref.ref(tensor, lambda _, key=key: _layouts.pop(key, None))
+    _layouts[key] = (alive, version, tensor.data_ptr(), made)
+    return made
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in the kernels' panel layout, [ceil(N / P), K / 2, P, 2] with P outputs per panel
+    (cpu_kernels.c says why), zero rows past N; kept with the weight (`_layout_of`)."""
+    N, K = weight.shape
+    if weight.dtype != torch.bfloat16 or K % 2:
+        raise ValueError(f"panels need a bf16 weight with an even input width, not {weight.dtype} [{N}, {K}]")
+
+    def make() -> torch.Tensor:
+        width = int(_lib.sd_panel_width())
+        padded = -(-N // width) * width
+        rows = weight.detach()
+        if padded != N:
+            rows = torch.cat([rows, rows.new_zeros(padded - N, K)])
+        return rows.view(padded // width, width, K // 2, 2).transpose(1, 2).contiguous()
+
+    return _layout_of(weight, "panels", make)
+
+
+def q_panels_active() -> bool:
+    """Whether GGUF-native weights are multiplied in panels (`q_panels`) on this CPU (AVX-512)."""
+    return bool(_lib.sd_q_panels())
+
+
+def q_panels(packed: torch.Tensor, fmt: int, in_features: int) -> torch.Tensor:
+    """GGUF-native rows (uint8 [N, row bytes] in layout `fmt`) as the kernels' panels of 16 outputs, uint8
+    [ceil(N / 16), panel bytes] (cpu_kernels.c: the same integers and scales, rearranged); kept with `packed`."""
+
+    def make() -> torch.Tensor:
+        npanels = -(-packed.shape[0] // 16)
+        out = torch.empty(npanels, _lib.sd_qp_panel_bytes(fmt, in_features), dtype=torch.uint8)
+        rows = packed.contiguous()
+        _lib.sd_q_to_panels(rows.data_ptr(), fmt, rows.shape[0], in_features, out.data_ptr(),
+                            torch.get_num_threads())
+        return out
+
+    return _layout_of(packed, f"q{fmt}", make)
 
 
 def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -216,8 +354,12 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
     scratch = torch.empty(_lib.sd_q_scratch_floats(M, K), dtype=torch.float32)
-    _lib.sd_linear_q(x.data_ptr(), packed.data_ptr(), fmt, _ptr(bias), y.data_ptr(), M, out_features, K,
-                     scratch.data_ptr(), threads)
+    if q_panels_active():
+        _lib.sd_linear_qp(x.data_ptr(), q_panels(packed, fmt, K).data_ptr(), fmt, _ptr(bias), y.data_ptr(), M,
+                          out_features, K, scratch.data_ptr(), threads)
+    else:
+        _lib.sd_linear_q(x.data_ptr(), packed.data_ptr(), fmt, _ptr(bias), y.data_ptr(), M, out_features, K,
+                         scratch.data_ptr(), threads)
     return y
 
 

@@ -28,7 +28,7 @@ class FusedCPUBackend:
     """One per model: see the module docstring."""
 
     def __init__(self) -> None:
-        self._weights: tuple | None = None  # (embed weight, first wqkv module, kept tensors, (layers, shape))
+        self._weights: tuple | None = None  # (norm weight, first wqkv module, library, kept tensors, (layers, shape))
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.governor = ThreadGovernor()
 
@@ -69,9 +69,12 @@ class FusedCPUBackend:
         do not read). Rebuilt when the parameters or linear modules are replaced (`.to()`, quantization); the
         cached entry keeps the tensors it points into alive."""
         cached = self._weights
-        if cached is None or cached[0] is not model.norm.weight or cached[1] is not model.layers[0].attn.wqkv:
-            cached = self._weights = (model.norm.weight, model.layers[0].attn.wqkv, *_build_weight_table(model))
-        return cached[3]
+        library = cpu_kernels.load()  # a rebuilt library (tests build each kernel path) may take other layouts
+        if (cached is None or cached[0] is not model.norm.weight or cached[1] is not model.layers[0].attn.wqkv
+                or cached[2] is not library):
+            cached = self._weights = (model.norm.weight, model.layers[0].attn.wqkv, library,
+                                      *_build_weight_table(model))
+        return cached[4]
 
     def _cache_table(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         """The cache's per-layer key and value addresses, kept as long as the cache lives."""
@@ -125,13 +128,18 @@ def _build_weight_table(model: nn.Module) -> tuple[list, tuple[ctypes.Array, cpu
 def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """(weight, per-output scale or None, layout) of a linear layer in a layout the C kernels read: a bf16
     nn.Linear (the model's own), an int8 weight-only layer (the quant:int8 draft) with unpadded input, or a
-    GGUF-native layer; None for anything else."""
+    GGUF-native layer (bf16 and GGUF weights in panels where the kernels multiply those); None otherwise."""
     if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 and module.weight.is_contiguous():
+        if cpu_kernels.dense_panels():
+            return cpu_kernels.panels(module.weight), None, cpu_kernels.PANELS
         return module.weight, None, cpu_kernels.DENSE
     if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
             and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
         return module.weight_int8, module.scales, cpu_kernels.DENSE
     if isinstance(module, GGUFLinear) and module.packed.is_contiguous():
+        if cpu_kernels.q_panels_active():
+            return cpu_kernels.q_panels(module.packed, module.fmt, module.in_features), None, \
+                module.fmt | cpu_kernels.QPANELS
         return module.packed, None, module.fmt
     return None
 
