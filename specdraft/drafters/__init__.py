@@ -10,9 +10,10 @@ from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
 DRAFTER_HELP = ("auto | ngram | suffix | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
-                "draft:MODEL_REF | MODEL_REF | cascade:ngram,B (eagle / medusa alone: the head shipped for the "
-                "target; auto: the shipped head that measured fastest, else ngram; draft:MODEL_REF may use "
-                "another tokenizer; cascade: the model drafter B checks n-gram guesses of its own drafts)")
+                "draft:MODEL_REF | MODEL_REF | cascade:ngram,B | hybrid:ngram,B (eagle / medusa alone: the head "
+                "shipped for the target; auto: the shipped head that measured fastest, else ngram; "
+                "draft:MODEL_REF may use another tokenizer; cascade: the model drafter B checks n-gram guesses "
+                "of its own drafts; hybrid: n-gram lookup after a match of 2+ tokens, B elsewhere)")
 
 # Drafters made from the target's weights or features: they need the runtime's `Transformer` as the target.
 WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
@@ -21,12 +22,13 @@ WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
                  options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
     """Build a drafter from its spec string (`auto`, `ngram`, `quant:int4`, `self:8`, `eagle[:DIR]`,
-    `medusa[:DIR]`, `draft:REF` or a model ref, `cascade:ngram,B`) for up to `max_batch` concurrent requests.
+    `medusa[:DIR]`, `draft:REF` or a model ref, `cascade:ngram,B`, `hybrid:ngram,B`) for up to `max_batch`
+    concurrent requests.
     A draft model with another tokenizer drafts through text (cross_tokenizer.py).
 
     options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; suffix: those and the shared
     cache's max_tokens, cache_min_n, cache_max_n; model drafters:
-    min_confidence; quant: group_size). Unknown options are an error.
+    min_confidence; quant: group_size; hybrid: min_match and B's). Unknown options are an error.
     """
     options = dict(options or {})
     if not isinstance(spec, str) or not spec.strip():
@@ -51,6 +53,8 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
 
     if kind == "cascade":
         return _make_cascade(spec, arg, target, target_tokenizer, max_len, options, dtype, max_batch)
+    if kind == "hybrid":
+        return _make_hybrid(spec, arg, target, target_tokenizer, max_len, options, dtype, max_batch)
     if kind == "ngram":
         from specdraft.drafters.ngram import NgramDrafter
 
@@ -112,12 +116,13 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
 
 
 def split_drafter_list(text: str) -> list[str]:
-    """A comma list of drafter specs (bench methods), where `cascade:A,B` is one spec with its own comma."""
+    """A comma list of drafter specs (bench methods), where `cascade:A,B` and `hybrid:A,B` are one spec with
+    its own comma."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     specs: list[str] = []
     while parts:
         part = parts.pop(0)
-        if part.startswith("cascade:") and "," not in part and parts:
+        if part.startswith(("cascade:", "hybrid:")) and "," not in part and parts:
             part = f"{part},{parts.pop(0)}"
         specs.append(part)
     return specs
@@ -147,6 +152,35 @@ def _make_cascade(spec: str, arg: str, target: Transformer, target_tokenizer: To
                              f"{stages[1]!r}")
     second.guesser, second.name = guesser, spec
     return second
+
+
+def _make_hybrid(spec: str, arg: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int,
+                 options: dict[str, Any], dtype: str | None, max_batch: int) -> Drafter:
+    """`hybrid:ngram[:N],B`: n-gram lookup after a match of `min_match` tokens (an option, default 2), the
+    drafter B otherwise (hybrid.py). Other options go to B."""
+    from specdraft.drafters.hybrid import HybridDrafter
+    from specdraft.drafters.ngram import NgramDrafter
+
+    stages = [part.strip() for part in arg.split(",")]
+    if len(stages) != 2 or not all(stages):
+        raise SpecdraftError(f"bad drafter spec {spec!r}: a hybrid is 'hybrid:ngram,B' with B another drafter, "
+                             "e.g. hybrid:ngram,eagle")
+    first_kind, _, first_arg = stages[0].partition(":")
+    if first_kind != "ngram":
+        raise SpecdraftError(f"hybrid {spec!r}: the first part must be 'ngram' (its match length decides who "
+                             f"drafts), got {stages[0]!r}")
+    options = dict(options)
+    min_match = options.pop("min_match", 2)
+    if stages[1].partition(":")[0] in ("ngram", "suffix", "hybrid", "cascade", "auto"):
+        raise SpecdraftError(f"hybrid {spec!r}: the second part must be a model drafter (eagle, medusa, quant, "
+                             f"self, draft), got {stages[1]!r}")
+    lookup = NgramDrafter(max_n=_int_arg(spec, first_arg)) if first_arg else NgramDrafter()
+    model = make_drafter(stages[1], target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
+                         max_batch=max_batch)
+    try:
+        return HybridDrafter(lookup, model, min_match=min_match, name=spec)
+    except ValueError as exc:
+        raise SpecdraftError(str(exc)) from exc
 
 
 def _int_arg(spec: str, arg: str) -> int:

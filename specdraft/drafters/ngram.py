@@ -96,18 +96,26 @@ class NgramIndex:
             end = self.prev[n][end]
         return ends
 
-    def lookup(self, max_k: int) -> list[int]:
-        """The continuation of the latest earlier occurrence of the longest indexed suffix (n from max down)."""
+    def longest_match(self) -> tuple[int, int]:
+        """(n, end) of the longest indexed suffix of the context that occurred before, with the end position of
+        its latest earlier occurrence; (0, NO_OCCURRENCE) when no suffix did."""
         tokens, length = self.tokens, len(self.tokens)
         for n in sorted(self.tables, reverse=True):
             if n > length:
                 continue
             end = self.tables[n].get(tuple(tokens[length - n:]))
             if end is not None:
-                # The continuation may run into the suffix itself (periodic text); stop at the end of the
-                # context rather than guess beyond it.
-                return tokens[end + 1 : min(end + 1 + max_k, length)]
-        return []
+                return n, end
+        return 0, NO_OCCURRENCE
+
+    def lookup(self, max_k: int) -> list[int]:
+        """The continuation of the latest earlier occurrence of the longest indexed suffix (n from max down)."""
+        n, end = self.longest_match()
+        if not n:
+            return []
+        # The continuation may run into the suffix itself (periodic text); stop at the end of the context
+        # rather than guess beyond it.
+        return self.tokens[end + 1 : min(end + 1 + max_k, len(self.tokens))]
 
     def continuations(self, max_depth: int, query: Sequence[int] | None = None,
                       stop: int | None = None) -> list[tuple[list[int], float]]:
@@ -275,6 +283,13 @@ class NgramDrafter:
             return index.lookup(max_k)
         found = index.continuations(max_k, query=[*context[-self.max_n:], *drafted])
         return found[0][0] if found else []
+
+    def match_length(self, request_id: int, context: Sequence[int]) -> int:
+        """How many tokens of the context's end occurred before (0: none; at most max_n): the evidence behind
+        this request's next proposal."""
+        index = self._indexes[request_id]
+        index.sync(context)
+        return index.longest_match()[0]
 
     def observe(self, request_id: int, verified: Verified) -> None:
         """Indexing here keeps `propose` cheap; the new context says it all."""
