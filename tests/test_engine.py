@@ -453,3 +453,27 @@ def test_shared_cache_draft_copies_what_it_missed(target):
             # A draft of its own runs its prompt at the first proposal, with the missed tokens, then the newest.
             assert calls[:2] == [len(context) - 1, 1]
     assert proposals[0] == proposals[1]
+
+
+def test_a_cold_first_draft_round_does_not_turn_a_cheap_draft_off():
+    """A drafter's first call runs cold (an EAGLE head measured 18 ms, then 1.5 ms a step, against a 10 ms
+    target forward): taken as the draft's cost it read as 3.8 plain forwards a token, the request fell back
+    and the cost memory then kept every later request from drafting at all."""
+    from specdraft.engine.adaptive import CALIBRATION_ROUNDS, DraftCostMemory, DraftLengthController
+
+    memory = DraftCostMemory()
+    controller = DraftLengthController(4, AdaptiveConfig(), memory)
+    draft_costs = iter([0.040] + [0.0015] * 100)
+    ks = []
+    for _ in range(12):
+        k = controller.next_k()
+        ks.append(k)
+        if k == 0:
+            controller.update(0, 0, 0.0, 0.010)
+        else:
+            controller.update(k, k - 1 if k > 1 else 1, next(draft_costs) * k, 0.010 + 0.0005 * k)
+    assert ks[:CALIBRATION_ROUNDS] == [0] * CALIBRATION_ROUNDS
+    assert 0 not in ks[CALIBRATION_ROUNDS:] and max(ks) > 1 and controller.fallback_events == 0
+    assert controller.draft_step < 0.002
+    memory.record(controller)
+    assert not memory.hopeless

@@ -227,6 +227,7 @@ class DraftLengthController:
         self.k = 1
         self.alpha = 0.7  # optimistic prior so that speculation gets tried
         self.draft_step = 0.0  # seconds per draft token (EMA)
+        self.draft_rounds = 0
         self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
         self.plain_rounds = 0
         self.verify_extra = 0.0  # extra seconds per verified draft token over a plain forward (EMA)
@@ -292,12 +293,21 @@ class DraftLengthController:
         failures = 1 if accepted < drafted else 0
         round_alpha = accepted / (accepted + failures) if accepted + failures else self.alpha
         self.alpha = self._ema(self.alpha, round_alpha)
-        self.draft_step = self._ema(self.draft_step if self.draft_step else None, draft_time / drafted)
+        self.draft_rounds += 1
+        step = draft_time / drafted
+        if self.draft_rounds <= CALIBRATION_ROUNDS:
+            # The first drafting runs cold too (a drafter's first call lays out its weights, warms its
+            # caches): keep the fastest, or one cold round would read as a draft that can never pay.
+            self.draft_step = min(self.draft_step or step, step)
+        else:
+            self.draft_step = self._ema(self.draft_step, step)
         if self.plain_forward is not None:
             extra = max(0.0, (verify_time - self.plain_forward) / (nodes or drafted))
             self.verify_extra = self._ema(self.verify_extra, extra)
         if not self.config.enabled:
             return
+        if self.draft_rounds < CALIBRATION_ROUNDS:
+            return  # one more round of K=1 before the draft's cost is known well enough to act on
         best_k = max(range(1, self.max_k + 1), key=self.expected_speedup)
         best = self.expected_speedup(best_k)
         if self.alpha < self.config.min_acceptance or best < self.config.min_speedup:
