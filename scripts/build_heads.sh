@@ -9,8 +9,8 @@ WORK=${2:-runs/$MODEL}
 PROMPTS=${PROMPTS:-../shared/data/prompts-train.jsonl}
 SUITE=${SUITE:-../shared/data/specbench-dev.jsonl}
 case "$MODEL" in
-  smollm2-135m) LIMIT=1800; EAGLE_STEPS=400; MEDUSA_STEPS=300; VOCAB=8192 ;;
-  gemma3-270m)  LIMIT=900;  EAGLE_STEPS=300; MEDUSA_STEPS=200; VOCAB=6144 ;;
+  smollm2-135m) LIMIT=6000; EAGLE_STEPS=1200; EVAL=300; CKPT=100; MEDUSA_STEPS=300; VOCAB=8192 ;;
+  gemma3-270m)  LIMIT=900;  EAGLE_STEPS=300; EVAL=100; CKPT=50; MEDUSA_STEPS=200; VOCAB=6144 ;;
   *) echo "no recipe for $MODEL" >&2; exit 2 ;;
 esac
 PY=${PY:-.venv/bin/python}
@@ -21,7 +21,7 @@ $PY -m specdraft.cli distill --model "$MODEL" --prompts "$PROMPTS" --out "$WORK/
 # 2. The heads (add --resume to continue an interrupted run).
 RESUME=$([ -f "$WORK/eagle/checkpoint.pt" ] && echo --resume || true)
 $PY -m specdraft.cli train eagle --model "$MODEL" --data "$WORK/data" --out "$WORK/eagle" --steps "$EAGLE_STEPS" \
-    --draft-vocab "$VOCAB" --ttt-steps 3 --batch-size 8 --seq-len 512 --lr 1e-3 --eval-every 100 --checkpoint-every 50 $RESUME
+    --draft-vocab "$VOCAB" --ttt-steps 3 --batch-size 8 --seq-len 512 --lr 1e-3 --eval-every "$EVAL" --checkpoint-every "$CKPT" $RESUME
 RESUME=$([ -f "$WORK/medusa/checkpoint.pt" ] && echo --resume || true)
 $PY -m specdraft.cli train medusa --model "$MODEL" --data "$WORK/data" --out "$WORK/medusa" --steps "$MEDUSA_STEPS" \
     --draft-vocab "$VOCAB" --heads 4 --batch-size 8 --seq-len 512 --lr 1e-3 --eval-every 100 $RESUME
