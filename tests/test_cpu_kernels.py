@@ -255,6 +255,63 @@ def assert_tree_nodes_equal_their_paths(model: Transformer) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_blocks_get_the_bits_of_padded_blocks(family):
+    """A batch of drafts is as wide as its longest; with `lengths` the kernels compute the real rows only
+    (one entry per token). Each real row's logits, final hidden state, captured streams and cache entries
+    are those of the padded forward, for chains and a tree, and the padding is really skipped."""
+    assert_ragged_equals_padded(kernel_model(family, seed=5))
+
+
+def assert_ragged_equals_padded(model: Transformer) -> None:
+    prompts = [ids(n, 10 + n) for n in (30, 61, 9)]
+    lengths = [1, 4, 6]
+    width = max(lengths)
+    parents = [-1, 0, 0, 1, 1]  # the third block holds a tree: the pending token, then 5 nodes
+    visible = torch.ones(3, width, width, dtype=torch.bool).tril()
+    positions = torch.tensor([[n + i for i in range(width)] for n in (30, 61, 9)])
+    for node, parent in enumerate(parents, start=1):
+        row = torch.zeros(width, dtype=torch.bool)
+        row[0], row[node], depth, a = True, True, 1, parent
+        while a >= 0:
+            row[a + 1], depth, a = True, depth + 1, parents[a]
+        visible[2, node], positions[2, node] = row, 9 + depth
+    tokens = torch.cat([ids(width, 20 + b) for b in range(3)])
+
+    def run(ragged: bool):
+        cache = model.new_cache(128, num_slots=3)
+        for slot, prompt in enumerate(prompts):
+            model(prompt, cache, slots=[slot])
+            cache.commit(slot, prompt.shape[1])
+        entries.clear()
+        out = model(tokens, cache, positions=positions, tree_mask=visible, return_hidden=True,
+                    capture_layers=(0, 2), lengths=lengths if ragged else None)
+        assert entries == [sum(lengths) if ragged else 3 * width]  # the rows the kernels computed
+        return out, cache
+
+    entries = []
+    run_layers = model.fused.run_layers
+
+    def counting(model_, x, *args, **kwargs):
+        entries.append(x.shape[0] * x.shape[1])
+        return run_layers(model_, x, *args, **kwargs)
+
+    model.fused.run_layers = counting
+    try:
+        (padded, padded_cache), (ragged, ragged_cache) = run(False), run(True)
+    finally:
+        del model.fused.run_layers
+    for b, n in enumerate(lengths):
+        assert torch.equal(ragged.logits[b, :n], padded.logits[b, :n])
+        assert torch.equal(ragged.hidden[b, :n], padded.hidden[b, :n])
+        assert torch.equal(ragged.captured[:, b, :n], padded.captured[:, b, :n])
+        start = prompts[b].shape[1]
+        for layer in range(model.config.num_layers):
+            for ragged_kv, padded_kv in ((ragged_cache.k, padded_cache.k), (ragged_cache.v, padded_cache.v)):
+                assert torch.equal(ragged_kv[layer][b, :, start:start + n], padded_kv[layer][b, :, start:start + n])
+
+
+@needs_kernels
 def test_fused_slots_are_independent():
     """Two sequences in one forward get the logits each gets alone (the server's batched decoding)."""
     assert_slots_independent(kernel_model("gemma3", seed=4))
@@ -383,6 +440,7 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
     for family in FAMILIES:
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)
         test_fused_forward_as_accurate_as_pytorch_ops(family)
+        test_ragged_blocks_get_the_bits_of_padded_blocks(family)
 
 
 @needs_kernels

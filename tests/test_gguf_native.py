@@ -30,6 +30,7 @@ from specdraft.runtime.gguf_native import (
 from tests.test_cpu_kernels import (
     SIMD_BUILDS,
     assert_block_equals_incremental,
+    assert_ragged_equals_padded,
     assert_slots_independent,
     assert_tree_nodes_equal_their_paths,
     fp32_copy,
@@ -221,6 +222,7 @@ def test_native_block_equals_incremental_bit_identical(family, prefix, length):
 def test_native_tree_nodes_and_slots_get_their_own_bits():
     assert_tree_nodes_equal_their_paths(native_copy(kernel_model("gemma3", seed=3))[0])
     assert_slots_independent(native_copy(kernel_model("gemma3", seed=4))[0])
+    assert_ragged_equals_padded(native_copy(kernel_model("llama", seed=5))[0])
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,

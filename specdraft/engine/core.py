@@ -322,7 +322,8 @@ class Engine:
         starts = [self.cache.length(r.slot) for r in requests]
         positions, tree_mask = _tree_layout(proposals, starts, width)
         t1 = time.perf_counter()
-        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask)
+        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
+                                                       [1 + len(p) for p in proposals])
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
                                          logits, [r.params for r in requests], [r.generator for r in requests],
                                          [p.parents for p in proposals])
@@ -406,18 +407,19 @@ class Engine:
 
     def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int,
                hidden_layers: Sequence[int], positions: torch.Tensor | None = None,
-               tree_mask: torch.Tensor | None = None
+               tree_mask: torch.Tensor | None = None, lengths: Sequence[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]]:
         """One target forward over `rows` (one per request, in its slot): logits from `logits_from` on, and
         what the drafter's `hidden_layers` need: the final-normed hidden states of those rows (-1) and the
-        residual stream after the named layers (all rows), with the captured layer list."""
+        residual stream after the named layers (all rows), with the captured layer list. `lengths`: each
+        row's real tokens (the rest is padding the target need not compute)."""
         # The final output of every prompt row is not computed (only the last row's logits are): at prefill
         # -1 comes from the last layer's residual stream instead.
         want_final = -1 in hidden_layers and logits_from == 0
         capture = _capture_layers(hidden_layers, self.target, final_computed=want_final)
         out = self.target(torch.tensor(rows), self.cache, slots=[r.slot for r in requests], positions=positions,
                           tree_mask=tree_mask, logits_from=logits_from, return_hidden=want_final,
-                          capture_layers=capture)
+                          capture_layers=capture, lengths=lengths)
         if not (want_final or capture):
             return out, None, None, capture
         return out.logits, out.hidden if want_final else None, out.captured, capture

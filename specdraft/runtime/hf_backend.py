@@ -109,9 +109,10 @@ class HFTarget:
     def forward(self, tokens: torch.Tensor, cache: HFCache, slots: Sequence[int] | None = None,
                 positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                 logits_from: int = 0, return_hidden: bool = False, capture_layers: Sequence[int] = (),
-                **unsupported) -> torch.Tensor:
+                lengths: Sequence[int] | None = None, **unsupported) -> torch.Tensor:
         """Logits [B, T - logits_from, vocab] of `tokens` [B, T] appended after each slot's committed
-        length (nothing committed); `positions` and `tree_mask` as in `Transformer.forward`."""
+        length (nothing committed); `positions` and `tree_mask` as in `Transformer.forward` (`lengths` is
+        accepted and the padding computed anyway)."""
         if return_hidden or capture_layers or any(v is not None for v in unsupported.values()):
             asked = sorted(["hidden states"] * bool(return_hidden or capture_layers)
                            + [k for k, v in unsupported.items() if v is not None])

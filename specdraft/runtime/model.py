@@ -33,6 +33,12 @@ from specdraft.runtime.fused import SMALL_BATCH_ROWS, FusedCPUBackend
 from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 
+# Padded blocks are computed row by row (`Transformer._forward_ragged`) when that skips at least an eighth of
+# the rows. One-token entries lose attention's grouping of a block's queries per key panel: on a Zen 4
+# (scripts/bench_ragged.py, SmolLM2 bf16) 16 blocks of 5-6 tokens (88 of 96 rows real) took 134 ms ragged
+# against 120 padded, while 46 of 96 took 73 against 119 and 21 of 96 took 39 against 117.
+RAGGED_BELOW = 7 / 8
+
 
 class RMSNorm(nn.Module):
     """Llama style scales after casting back (`w * x.to(dtype)`); Gemma style scales by (1 + w) in fp32."""
@@ -294,6 +300,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         capture_layers: Sequence[int] = (),
         branch_mask: torch.Tensor | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> torch.Tensor | ForwardOutput:
         """Score `tokens` [B, T] appended after each slot's committed length; nothing is committed.
 
@@ -307,6 +314,9 @@ class Transformer(nn.Module):
         return_hidden / capture_layers: return a `ForwardOutput` with the final-normed hidden states of those
         rows and the residual stream after each layer in `capture_layers` (all T rows), which is what
         feature-level drafters read; asking for nothing costs nothing.
+        lengths: the real rows of each block (the rest is padding, whose outputs are then left unset): the
+            fused kernels compute only the real rows where that skips enough of them (`RAGGED_BELOW`): a
+            batch of drafts is as wide as its longest.
         Returns logits [B, T - logits_from, vocab] (fp32 only if the model runs in fp32).
         """
         B, T = tokens.shape
@@ -323,9 +333,13 @@ class Transformer(nn.Module):
 
         rows = torch.tensor(slots, device=tokens.device)[:, None]
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
-        x = self.embed_tokens(tokens)
         num_layers = len(self.layers) if exit_layer is None else exit_layer
         self._check_capture(capture_layers, num_layers)
+        if (lengths is not None and logits_from == 0 and sum(lengths) <= RAGGED_BELOW * B * T
+                and self.fused.applies(self, 1, cache)):
+            return self._forward_ragged(tokens, lengths, positions, masks, cache, index, num_layers,
+                                        return_hidden, capture_layers)
+        x = self.embed_tokens(tokens)
         if self.fused.applies(self, T, cache):
             angles = {kind: self._rope_angles(positions, kind) for kind in set(self.config.layer_types)}
             normed, captured = self.fused.run_layers(self, x, angles, masks, cache, rows[:, 0], index[1],
@@ -341,6 +355,38 @@ class Transformer(nn.Module):
         if return_hidden or capture_layers:
             return ForwardOutput(logits, hidden, captured)
         return logits
+
+    def _forward_ragged(self, tokens: torch.Tensor, lengths: Sequence[int], positions: torch.Tensor,
+                        masks: dict[str, torch.Tensor], cache: KVCache, index: tuple[torch.Tensor, torch.Tensor],
+                        num_layers: int, return_hidden: bool, capture_layers: Sequence[int]
+                        ) -> torch.Tensor | ForwardOutput:
+        """`forward` over the real rows of padded blocks only: each real token becomes a one-token entry of
+        the fused forward, with its block's slot, its own cache position and its row of the block's mask.
+        Every entry's keys and values are stored before any attention reads them, so a token sees the
+        block's earlier tokens as in the padded layout, and each row gets the bits it gets there (the
+        kernels' row invariance). Outputs come back in the padded layout; padding rows are left unset."""
+        B, T = tokens.shape
+        real = (torch.arange(T)[None, :] < torch.tensor(list(lengths))[:, None]).reshape(-1)
+        flat = real.nonzero().squeeze(1)                                           # [N] into the B*T rows
+        entry_masks = {kind: m[:, 0, :, 0, :].reshape(B * T, -1)[flat][:, None, None, None, :].contiguous()
+                       for kind, m in masks.items()}
+        entry_positions = positions.reshape(-1)[flat][:, None]
+        angles = {kind: self._rope_angles(entry_positions, kind) for kind in set(self.config.layer_types)}
+        slots = index[0].expand(B, T).reshape(-1)[flat]
+        x = self.embed_tokens(tokens.reshape(-1)[flat][:, None])                   # [N, 1, dim]
+        normed, captured = self.fused.run_layers(self, x, angles, entry_masks, cache, slots,
+                                                 index[1].reshape(-1)[flat][:, None], num_layers, capture_layers)
+        logits = self._head(normed[:, 0])
+
+        def padded(rows: torch.Tensor) -> torch.Tensor:  # [..., N, width] -> [..., B, T, width]
+            out = rows.new_empty(*rows.shape[:-2], B * T, rows.shape[-1])
+            out[..., flat, :] = rows
+            return out.view(*rows.shape[:-2], B, T, rows.shape[-1])
+
+        if return_hidden or capture_layers:
+            return ForwardOutput(padded(logits), padded(normed[:, 0]),
+                                 padded(captured[:, :, 0]) if captured is not None else None)
+        return padded(logits)
 
     def forward_sequence(self, tokens: torch.Tensor, capture_layers: Sequence[int] = ()) -> ForwardOutput:
         """Cache-free forward over whole sequences [B, T] from position 0, usable with autograd (no inference
