@@ -10,6 +10,7 @@ embeddings, (1 + w) norms, one sliding layer with a window of 4 and one full lay
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -464,3 +465,27 @@ def test_tree_grown_level_by_level_with_branch_mask(model):
         score(model, linear, prefix)
         expected = score(model, linear, [level1[parent], level2[row]])[-1]
         torch.testing.assert_close(logits[row], expected, rtol=0, atol=FP32_ATOL)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from Linux's /proc")
+def test_a_large_cache_reads_zero_and_costs_memory_only_where_written():
+    """A cache sized for many slots' full contexts starts as zeros (stale entries are multiplied by 0 and must
+    never be NaN) and becomes resident only where keys and values are written."""
+    import gc
+
+    from specdraft.runtime.kv_cache import KVCache
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    gc.collect()
+    before = resident_mib()
+    cache = KVCache(num_layers=8, num_kv_heads=4, head_dim=64, max_len=4096, num_slots=16)  # 1 GiB of keys/values
+    assert resident_mib() - before < 64
+    assert cache.k[0].shape == (16, 4, 4096, 64) and cache.k[0].dtype == torch.bfloat16
+    cache.k[3][5, :, :100] = 1.5
+    cache.v[7][15, 3, -1] = -2.0
+    assert float(cache.k[3][5, :, :100].float().mean()) == 1.5 and float(cache.v[7][15, 3, -1, 0]) == -2.0
+    assert int(torch.count_nonzero(cache.k[3])) == 4 * 100 * 64 and int(torch.count_nonzero(cache.k[0])) == 0
+    assert resident_mib() - before < 128

@@ -8,6 +8,8 @@ and are masked out of every later read, so rolling back is just setting a number
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +52,16 @@ class SlotLengths:
                 )
 
 
+def lazy_zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros that cost memory only where written, on CPU: an anonymous mapping reads as zeros and the OS
+    commits its pages on first write, so a cache sized for every slot's full context (16 slots of 4096 tokens
+    of SmolLM2: 3 GB) holds only what requests fill, and needs no seconds of zero-filling at start-up."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(tuple(shape))  # the tensor keeps the map
+
+
 class KVCache(SlotLengths):
     def __init__(
         self,
@@ -64,8 +76,8 @@ class KVCache(SlotLengths):
         max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         # Zeros, not empty: masked stale entries are multiplied by 0 and must never be NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         super().__init__(max_len, num_slots)
 
     def compact(self, slot: int, src_offsets: Sequence[int]) -> None:
