@@ -133,23 +133,15 @@ def _make_cascade(spec: str, arg: str, target: Transformer, target_tokenizer: To
     """`cascade:ngram[:N],B`: the model drafter B drafts its chains checking n-gram guesses several tokens
     per forward (draft_model.py). Options go to B."""
     from specdraft.drafters.draft_model import ModelDrafter
-    from specdraft.drafters.ngram import NgramDrafter
 
-    stages = [part.strip() for part in arg.split(",")]
-    if len(stages) != 2 or not all(stages):
-        raise SpecdraftError(f"bad drafter spec {spec!r}: a cascade is 'cascade:ngram,B' with B a model drafter "
-                             "(quant:int8, self:N, draft:REF), e.g. cascade:ngram,quant:int8")
-    first_kind, _, first_arg = stages[0].partition(":")
-    if first_kind != "ngram":
-        raise SpecdraftError(f"cascade {spec!r}: the first stage must be 'ngram' (a lookup that can guess past "
-                             f"uncommitted tokens), got {stages[0]!r}")
-    guesser = NgramDrafter(max_n=_int_arg(spec, first_arg)) if first_arg else NgramDrafter()
-    second = make_drafter(stages[1], target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
+    guesser, second_spec = _ngram_pair(spec, arg, "cascade", "quant:int8",
+                                       "a lookup that can guess past uncommitted tokens", part="stage")
+    second = make_drafter(second_spec, target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
                           max_batch=max_batch)
     if type(second) is not ModelDrafter:
         raise SpecdraftError(f"cascade {spec!r}: the second stage must be a draft model with the target's "
                              "tokenizer (quant:int4, quant:int8, self:N, draft:REF), got "
-                             f"{stages[1]!r}")
+                             f"{second_spec!r}")
     second.guesser, second.name = guesser, spec
     return second
 
@@ -159,28 +151,33 @@ def _make_hybrid(spec: str, arg: str, target: Transformer, target_tokenizer: Tok
     """`hybrid:ngram[:N],B`: n-gram lookup after a match of `min_match` tokens (an option, default 2), the
     drafter B otherwise (hybrid.py). Other options go to B."""
     from specdraft.drafters.hybrid import HybridDrafter
-    from specdraft.drafters.ngram import NgramDrafter
 
-    stages = [part.strip() for part in arg.split(",")]
-    if len(stages) != 2 or not all(stages):
-        raise SpecdraftError(f"bad drafter spec {spec!r}: a hybrid is 'hybrid:ngram,B' with B another drafter, "
-                             "e.g. hybrid:ngram,eagle")
-    first_kind, _, first_arg = stages[0].partition(":")
-    if first_kind != "ngram":
-        raise SpecdraftError(f"hybrid {spec!r}: the first part must be 'ngram' (its match length decides who "
-                             f"drafts), got {stages[0]!r}")
+    lookup, model_spec = _ngram_pair(spec, arg, "hybrid", "eagle", "its match length decides who drafts")
     options = dict(options)
     min_match = options.pop("min_match", 2)
-    if stages[1].partition(":")[0] in ("ngram", "suffix", "hybrid", "cascade", "auto"):
+    if model_spec.partition(":")[0] in ("ngram", "suffix", "hybrid", "cascade", "auto"):
         raise SpecdraftError(f"hybrid {spec!r}: the second part must be a model drafter (eagle, medusa, quant, "
-                             f"self, draft), got {stages[1]!r}")
-    lookup = NgramDrafter(max_n=_int_arg(spec, first_arg)) if first_arg else NgramDrafter()
-    model = make_drafter(stages[1], target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
+                             f"self, draft), got {model_spec!r}")
+    model = make_drafter(model_spec, target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
                          max_batch=max_batch)
     try:
         return HybridDrafter(lookup, model, min_match=min_match, name=spec)
     except ValueError as exc:
         raise SpecdraftError(str(exc)) from exc
+
+
+def _ngram_pair(spec: str, arg: str, kind: str, example: str, why: str, part: str = "part") -> tuple[Any, str]:
+    """`ngram[:N],B` of a two-part spec: the n-gram drafter and B's spec."""
+    from specdraft.drafters.ngram import NgramDrafter
+
+    parts = [part.strip() for part in arg.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise SpecdraftError(f"bad drafter spec {spec!r}: a {kind} is '{kind}:ngram,B' with B a model drafter, "
+                             f"e.g. {kind}:ngram,{example}")
+    first_kind, _, first_arg = parts[0].partition(":")
+    if first_kind != "ngram":
+        raise SpecdraftError(f"{kind} {spec!r}: the first {part} must be 'ngram' ({why}), got {parts[0]!r}")
+    return (NgramDrafter(max_n=_int_arg(spec, first_arg)) if first_arg else NgramDrafter()), parts[1]
 
 
 def _int_arg(spec: str, arg: str) -> int:
