@@ -312,6 +312,42 @@ def assert_ragged_equals_padded(model: Transformer) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_short_prompts_prefill_in_fused_chunks(family, monkeypatch):
+    """A prompt of up to CHUNKED_PREFILL_TOKENS runs through the fused kernels 32 tokens at a time: each row
+    gets the bits of decoding it token by token (the GEMM path only agrees up to bf16 rounding), the cache
+    ends with the prompt's keys written and nothing committed, and logits_from, the final hidden states and
+    the captured streams cover the rows they do in one block."""
+    from specdraft.runtime import model as model_module
+
+    model = kernel_model(family, seed=7)
+    prompt = ids(77, 8)
+    cache = model.new_cache(128)
+    blocks = []
+    run_layers = model.fused.run_layers
+    model.fused.run_layers = lambda model_, x, *a, **k: blocks.append(x.shape[1]) or run_layers(model_, x, *a, **k)
+    try:
+        out = model(prompt, cache, logits_from=40, return_hidden=True, capture_layers=(1,))
+    finally:
+        del model.fused.run_layers
+    assert blocks == [32, 32, 13] and cache.length(0) == 0
+    assert out.logits.shape[1] == out.hidden.shape[1] == 37 and out.captured.shape[2] == 77
+    cache.commit(0, 77)
+    decoded = model.new_cache(128)
+    for t in range(77):
+        step = model(prompt[:, t:t + 1], decoded, capture_layers=(1,))
+        if t >= 40:
+            assert torch.equal(step.logits[0, 0], out.logits[0, t - 40])
+        assert torch.equal(step.captured[0, 0, 0], out.captured[0, 0, t])
+        decoded.commit(0, t + 1)
+    for layer in range(model.config.num_layers):
+        assert torch.equal(cache.k[layer][0, :, :77], decoded.k[layer][0, :, :77])
+    monkeypatch.setattr(model_module, "CHUNKED_PREFILL_TOKENS", 0)  # the GEMM path, for comparison
+    gemm = model(prompt, model.new_cache(128), logits_from=40)
+    assert torch.allclose(gemm.float(), out.logits.float(), atol=0.1 * out.logits.float().abs().max().item())
+
+
+@needs_kernels
 def test_fused_slots_are_independent():
     """Two sequences in one forward get the logits each gets alone (the server's batched decoding)."""
     assert_slots_independent(kernel_model("gemma3", seed=4))

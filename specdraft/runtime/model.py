@@ -39,6 +39,12 @@ from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 # against 120 padded, while 46 of 96 took 73 against 119 and 21 of 96 took 39 against 117.
 RAGGED_BELOW = 7 / 8
 
+# Prompts of up to this many tokens are prefilled through the fused kernels, SMALL_BATCH_ROWS tokens at a time,
+# rather than by GEMMs over the whole prompt: on a Zen 4 (SmolLM2) 40 tokens took 40 ms against 58 in bf16 and
+# 52 against 72 GGUF-native (no weights to dequantize), 200 and 500 tokens the same within 2%, 1000 tokens
+# 3-4% longer.
+CHUNKED_PREFILL_TOKENS = 512
+
 
 class RMSNorm(nn.Module):
     """Llama style scales after casting back (`w * x.to(dtype)`); Gemma style scales by (1 + w) in fp32."""
@@ -322,6 +328,10 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         slots = list(range(B)) if slots is None else list(slots)
         cache.check_room(slots, T)
+        if (SMALL_BATCH_ROWS < T <= CHUNKED_PREFILL_TOKENS and positions is None and tree_mask is None
+                and branch_mask is None and self.fused.applies(self, SMALL_BATCH_ROWS, cache)):
+            return self._forward_chunked(tokens, cache, slots, exit_layer, logits_from, return_hidden,
+                                         capture_layers)
         starts = [cache.lengths[s] for s in slots]
         # A prompt on an empty cache: every layer kind whose window covers the block is plainly causal.
         from_start = positions is None and tree_mask is None and branch_mask is None and max(starts) == 0
@@ -351,10 +361,39 @@ class Transformer(nn.Module):
             x, captured = self._run_layers(x, ropes, masks, self._causal(T, from_start), caches, tuple(slots), index,
                                            capture_layers)
             hidden = self.norm(x[:, logits_from:])
-        logits = self._head(hidden)
+        if hidden.shape[1]:
+            logits = self._head(hidden)
+        else:  # a prompt's leading chunks (_forward_chunked) need no logits
+            logits = torch.empty(B, 0, self.config.vocab_size, dtype=hidden.dtype, device=hidden.device)
         if return_hidden or capture_layers:
             return ForwardOutput(logits, hidden, captured)
         return logits
+
+    def _forward_chunked(self, tokens: torch.Tensor, cache: KVCache, slots: list[int], exit_layer: int | None,
+                         logits_from: int, return_hidden: bool, capture_layers: Sequence[int]
+                         ) -> torch.Tensor | ForwardOutput:
+        """`forward` over a prompt-sized causal block as consecutive blocks of SMALL_BATCH_ROWS tokens on the
+        fused kernels (see CHUNKED_PREFILL_TOKENS). Each block is committed so that the next one sees it, and
+        the slots' lengths are put back at the end: like any forward, this one commits nothing."""
+        B, T = tokens.shape
+        starts = [cache.lengths[s] for s in slots]
+        parts = []
+        try:
+            for lo in range(0, T, SMALL_BATCH_ROWS):
+                hi = min(T, lo + SMALL_BATCH_ROWS)
+                parts.append(self.forward(tokens[:, lo:hi], cache, slots, exit_layer=exit_layer,
+                                          logits_from=min(hi - lo, max(0, logits_from - lo)),
+                                          return_hidden=return_hidden, capture_layers=capture_layers))
+                for slot, start in zip(slots, starts):
+                    cache.commit(slot, start + hi)
+        finally:
+            for slot, start in zip(slots, starts):
+                cache.commit(slot, start)
+        if not (return_hidden or capture_layers):
+            return torch.cat(parts, dim=1)
+        captured = torch.cat([p.captured for p in parts], dim=2) if capture_layers else None
+        return ForwardOutput(torch.cat([p.logits for p in parts], dim=1), torch.cat([p.hidden for p in parts], dim=1),
+                             captured)
 
     def _forward_ragged(self, tokens: torch.Tensor, lengths: Sequence[int], positions: torch.Tensor,
                         masks: dict[str, torch.Tensor], cache: KVCache, index: tuple[torch.Tensor, torch.Tensor],
