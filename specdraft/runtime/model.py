@@ -40,10 +40,10 @@ from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 RAGGED_BELOW = 7 / 8
 
 # Prompts of up to this many tokens are prefilled through the fused kernels, SMALL_BATCH_ROWS tokens at a time,
-# rather than by GEMMs over the whole prompt: on a Zen 4 (SmolLM2) 40 tokens took 40 ms against 58 in bf16 and
-# 52 against 72 GGUF-native (no weights to dequantize), 200 and 500 tokens the same within 2%, 1000 tokens
-# 3-4% longer.
-CHUNKED_PREFILL_TOKENS = 512
+# rather than by GEMMs over the whole prompt (scripts/bench_prefill.py on a Zen 4, both bundled models, bf16
+# and GGUF-native: 1.4-1.75x faster at 40 tokens, 1.06-1.31x at 200-1000, SmolLM2 at 2000 within 2% either
+# way, Gemma 3 at 2000 1.3-1.6x faster); longer prompts are unmeasured and keep the GEMM.
+CHUNKED_PREFILL_TOKENS = 2048
 
 
 class RMSNorm(nn.Module):
