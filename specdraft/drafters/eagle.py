@@ -413,7 +413,9 @@ class EagleHead(nn.Module):
         if positions is None:
             positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)[None, :]
         key_len = min(cache.max_len, -(-(max(starts) + T) // KEY_BLOCK) * KEY_BLOCK)
-        if tree_mask is None and branch_mask is None:  # a chain: each row sees the keys up to its own
+        if tree_mask is None and branch_mask is None and B == T == 1:  # one chain step: every key up to its own
+            key_len, mask = starts[0] + 1, None
+        elif tree_mask is None and branch_mask is None:  # a chain: each row sees the keys up to its own
             limit = torch.tensor(starts, device=device)[:, None] + torch.arange(1, T + 1, device=device)
             visible = torch.arange(key_len, device=device) < limit[..., None]        # [B, T, key_len]
             mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, :, None]
@@ -423,11 +425,12 @@ class EagleHead(nn.Module):
         index = (rows, torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device))
         hidden = hidden.to(self.dtype)
         attn_out = self._attend(self._inputs(embeds.to(self.dtype), hidden), self._rope_cached(positions), cache,
-                                tuple(slots), index, mask)
+                                tuple(slots), index, key_len, mask)
         return self._finish(attn_out, hidden, logit_rows)
 
     def _attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+                slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor], key_len: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
         """The layer's attention over its cache, with the products in fp32 (the cache's dtype): the runtime's
         attention multiplies in the model's dtype, and torch's bf16 products on CPUs without native bf16 cost
         about 10 ms each whatever their size, several times a whole draft step. Projections stay in the head's
@@ -439,7 +442,6 @@ class EagleHead(nn.Module):
         qk = apply_rope(qkv[:, :, :H + Hkv], *rope)
         cache.k[0].transpose(1, 2)[index] = qk[:, :, H:].to(cache.k[0].dtype)
         cache.v[0].transpose(1, 2)[index] = qkv[:, :, H + Hkv:].to(cache.v[0].dtype)
-        key_len = mask.shape[-1]
         first = slots[0]
         if list(slots) == list(range(first, first + B)):  # contiguous slots: views, no copy
             keys, values = cache.k[0][first:first + B, :, :key_len], cache.v[0][first:first + B, :, :key_len]
@@ -448,7 +450,9 @@ class EagleHead(nn.Module):
         keys, values = keys.float(), values.float()
         G = H // Hkv
         q = qk[:, :, :H].float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
-        scores = (q @ keys.transpose(-1, -2)).view(B, Hkv, T, G, key_len) * self.config.attn_scale + mask
+        scores = (q @ keys.transpose(-1, -2)).view(B, Hkv, T, G, key_len) * self.config.attn_scale
+        if mask is not None:  # None: a single query that sees every key read
+            scores = scores + mask
         probs = torch.softmax(scores, dim=-1).view(B, Hkv, T * G, key_len)
         out = (probs @ values).view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
         return attn.wo(out.to(x.dtype))
