@@ -477,6 +477,8 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)
         test_fused_forward_as_accurate_as_pytorch_ops(family)
         test_ragged_blocks_get_the_bits_of_padded_blocks(family)
+    with pytest.MonkeyPatch.context() as patch:
+        test_short_prompts_prefill_in_fused_chunks("gemma3", patch)
 
 
 @needs_kernels

@@ -245,6 +245,7 @@ def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, ma
             check_native_linear(qtype, rows)
     for family in NATIVE_FAMILIES:
         check_native_blocks(family, 60, 8)
+    assert_ragged_equals_padded(native_copy(kernel_model("llama", seed=5))[0])
 
 
 # ---- the bundled models ---------------------------------------------------------------------------------------
