@@ -24,6 +24,7 @@ from specdraft.verify import (
     rejection_verify,
     sample,
 )
+from specdraft.verify.greedy import argmax
 from specdraft.verify.rejection import one_hot_probs, pad_vocab
 
 VOCAB = 8
@@ -298,6 +299,20 @@ def test_greedy_batch_with_different_lengths():
 def test_greedy_rejects_bad_shapes():
     with pytest.raises(ValueError):
         greedy_verify(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_gives_torchs_indices_ties_and_nan_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3, 4099, generator=g).to(dtype)
+    logits[0, 0, [7, 900, 4000]] = 50.0  # ties: the first one wins
+    logits[1, 1, 10] = float("nan")  # NaN counts as the maximum
+    logits[2, 2] = float("-inf")
+    logits[3, 0, 5] = float("inf")
+    got = argmax(logits)
+    assert got.dtype == torch.long
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[0, 0] == 7 and got[1, 1] == 10 and got[3, 0] == 5
 
 
 # ---------------------------------------------------------------------------------------------------------

