@@ -1,10 +1,11 @@
 """GGUF-native weights (specdraft/runtime/gguf_native.py and the SD_W_* kernels of cpu_kernels.c).
 
 Repacking keeps the file's exact values for every supported type; the kernels compute with them about as
-accurately as an fp32 matmul of the dequantized weights, and every row's bits are independent of the block it
-is verified in (linear layers, whole models, token trees, batched slots), on each kernel path this CPU can
-run. On the bundled models: every layer stays native, the logits are about as close to the fp32 reference
-as the bf16 model's, and speculative decoding on a native target reproduces its plain decoding.
+accurately as an fp32 matmul of the dequantized weights (Q4 layouts: within the bound of their int8
+activations, as llama.cpp's), and every row's bits are independent of the block it is verified in (linear
+layers, whole models, token trees, batched slots), on each kernel path this CPU can run. On the bundled
+models: every layer stays native, the logits are about as close to the fp32 reference as the bf16 model's and
+llama.cpp's, and speculative decoding on a native target reproduces its plain decoding.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from specdraft.errors import ModelLoadError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.gguf_native import (
     BLOCK_BYTES,
+    Q4,
     GGUFEmbedding,
     GGUFLinear,
     dequantize,
@@ -113,20 +115,33 @@ def native_linear(qtype, out_features: int, in_features: int, seed: int, bias: b
     return GGUFLinear(torch.from_numpy(packed), fmt, in_features, out_features, b)
 
 
+def int8_activation_error(x: torch.Tensor, layer: GGUFLinear) -> torch.Tensor | float:
+    """What quantizing the activations to int8 per block of 32 (Q4 layouts, as llama.cpp: step amax / 127)
+    can move each output at most: half a step an element, times |w|. Other layouts keep 16 bits: 0."""
+    if layer.fmt != Q4:
+        return 0.0
+    xf = x.float().view(x.shape[0], -1, 32)
+    half_step = (xf.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(xf).reshape(x.shape[0], -1)
+    return half_step @ layer.dequantize().abs().T
+
+
 def check_native_linear(qtype, rows: int) -> None:
     layer = native_linear(qtype, 37, 512, seed=rows, bias=True)  # 37 outputs: partial tiles at the end
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows + 100)).to(torch.bfloat16)
     reference = x.float() @ layer.dequantize().T + layer.bias.float()
-    # Exact weights; activations at 16 bits per block and the summation order differ from the fp32 reference:
-    # at most about one bf16 rounding step apart. Prompt-sized blocks (no exact_rows) take a GEMM: in fp32,
-    # or in bf16 on the weights rounded to bf16 where the CPU multiplies bf16 in hardware (as the bf16 model).
+    # Exact weights; activations at 16 bits per block (int8 for Q4 layouts: their own bound) and the summation
+    # order differ from the fp32 reference: at most about one bf16 rounding step apart. Prompt-sized blocks
+    # (no exact_rows) take a GEMM: in fp32, or in bf16 on the weights rounded to bf16 where the CPU multiplies
+    # bf16 in hardware (as the bf16 model).
     gemm_in_bf16 = rows > cpu_kernels.SMALL_BATCH_ROWS and cpu_kernels.bf16_gemm_is_native()
     gemm_reference = (x.float() @ layer.dequantize().to(torch.bfloat16).float().T + layer.bias.float()
                       if gemm_in_bf16 else reference)
     scale = (x.float().abs() @ layer.dequantize().abs().T).amax()
-    for y, ref in ((layer(x, exact_rows=True), reference), (layer(x), gemm_reference)):
+    kernel_error = int8_activation_error(x, layer)
+    gemm_error = kernel_error if rows <= cpu_kernels.SMALL_BATCH_ROWS else 0.0
+    for y, ref, extra in ((layer(x, exact_rows=True), reference, kernel_error), (layer(x), gemm_reference, gemm_error)):
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
-        assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + scale * 1e-4 + 1e-3).all()
+        assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + scale * 1e-4 + 1e-3 + extra).all()
     y = layer(x, exact_rows=True)
     for r in range(rows):
         assert torch.equal(y[r], layer(x[r:r + 1])[0]), f"row {r} of {rows}"
@@ -275,10 +290,13 @@ def test_smollm2_runs_natively_as_close_to_fp32_as_bf16(smollm2_native):
     native_err = (logits["native"] - logits["fp32"]).abs().max().item()
     bf16_err = (logits["bf16"] - logits["fp32"]).abs().max().item()
     # The native weights are the file's own, the bf16 model's are rounded; both round activations to bf16,
-    # which dominates (measured over six dev prompts: native/bf16 distance ratios 0.7-1.4, llama.cpp's alike).
-    # The native kernels are the same code on every x86 CPU, the bf16 ones are not: hence the loose factor.
-    assert native_err <= 2 * bf16_err, (native_err, bf16_err)
-    assert torch.equal(logits["native"].argmax(-1), logits["fp32"].argmax(-1))
+    # and the Q4 layers also take their inputs as int8 per block of 32, as llama.cpp does (measured over six
+    # dev prompts, scripts/gguf_accuracy.py: max distance median 1.75 native, 1.59 bf16, 1.59 llama.cpp; top-1
+    # agreement 96.0%, 97.3%, 96.8%). The native kernels are the same code on every x86 CPU, the bf16 ones are
+    # not: hence the loose factor.
+    assert native_err <= 3 * bf16_err, (native_err, bf16_err)
+    agree = {name: int((logits[name].argmax(-1) == logits["fp32"].argmax(-1)).sum()) for name in ("native", "bf16")}
+    assert agree["native"] >= agree["bf16"] - 2, agree
 
 
 @pytest.mark.slow

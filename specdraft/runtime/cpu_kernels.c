@@ -1051,12 +1051,13 @@ void sd_linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
  *   SD_W_Q8  (Q8_0, Q5_0):        E = 32, 36 bytes: fp32 scale s, 32 int8; w = s * q.
  *   SD_W_Q8H (Q6_K):              E = 16, 20 bytes: fp32 scale s, 16 int8; w = s * q.
  *
- * Activations enter as 16-bit integers with one power-of-two scale per block of E: a = 2^e * X. With bf16
- * inputs (8 significant bits) X is exact for every element within a factor 2^7 of its block's largest, and
- * off by at most 2^-15 of that largest otherwise: far below the bf16 rounding of the layer's output. Then
- * sum_i q_i X_i is exact in int32 (vpmaddwd: 16 products in one instruction, half the work of widening the
- * weights to fp32), and
- *     y[m, n] = sum_b s_b * (2^e_b * sum_i q_i X_i) + m_b * (2^e_b * sum_i X_i)
+ * Activations of SD_W_Q8 and SD_W_Q8H layers enter as 16-bit integers with one power-of-two scale per block
+ * of E: a = 2^e * X. With bf16 inputs (8 significant bits) X is exact for every element within a factor 2^7
+ * of its block's largest, and off by at most 2^-15 of that largest otherwise: far below the bf16 rounding of
+ * the layer's output. SD_W_Q4 layers (the bulk of a Q4 model) take them as int8 with a float scale per block
+ * of 32, as llama.cpp does (q_quantize_input_i8): VPDPBUSD then multiplies 4 pairs per lane where VPDPWSSD
+ * multiplies 2. With d_b the block's activation scale, sum_i q_i X_i is exact in int32, and
+ *     y[m, n] = sum_b s_b * (d_b * sum_i q_i X_i) + m_b * (d_b * sum_i X_i)
  * in fp32: each (weight row, input row) pair keeps one 8-lane accumulator updated block by block in k order,
  * and the offset terms are one dot product over the row's blocks in a fixed order, so a row's bits do not
  * depend on the tile or on the number of rows. */
@@ -1077,12 +1078,22 @@ int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefe
 #define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
 
 /* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
- * X int16 [M, K]; scale [M, K / E] (2^e of each block); offset_in [M, K / E] (SD_W_Q4 only: 2^e * sum X of
+ * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only: d * sum X of
  * each block, what the block's offset multiplies). */
 typedef struct {
-    int16_t *X;
+    int16_t *X; /* SD_W_Q4: int8 [M, K] in the same memory (X8 below) */
     float *scale, *offset_in;
 } q_input;
+
+static inline const int8_t *q_x8(q_input in) { return (const int8_t *)in.X; }
+
+/* The activations of rows m.. of `all` (SD_W_Q4's are int8: a row is K bytes). */
+static inline q_input q_input_from(q_input all, int fmt, int64_t m, int64_t K) {
+    const int64_t nblk = K / q_block_elems(fmt);
+    const q_input in = {fmt == SD_W_Q4 ? (int16_t *)((int8_t *)all.X + m * K) : all.X + m * K,
+                        all.scale + m * nblk, fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+    return in;
+}
 
 static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K / 2 + M * K / 16 + M * K / 32 + 16; }
 
@@ -1097,7 +1108,13 @@ static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
  * zero) become zeros; a block holding inf or NaN gets a NaN scale. Work-shared over blocks (a block's result
  * depends on its own elements only); the arithmetic is exact except for rint (to nearest even, as lrintf in the
  * default rounding mode and VCVTPS2DQ). */
+static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in);
+
 static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
+    if (fmt == SD_W_Q4) {
+        q_quantize_input_i8(x, M, K, in);
+        return;
+    }
     const int64_t E = q_block_elems(fmt), blocks = M * K / E;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
@@ -1145,6 +1162,51 @@ static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_inp
     }
 }
 
+/* SD_W_Q4's activations, as llama.cpp's Q8_1: per block of 32, d = amax / 127 and X = rint(x * (127 / amax))
+ * as int8 (|X| <= 127), scale d, offset_in d * sum X. Nibbles (unsigned) times int8 fill VPDPBUSD's 4 products
+ * per lane, twice VPDPWSSD's 2: these layers (most of a Q4 model's weights) cost half the integer
+ * instructions. The error, at most d / 2 an element, is what llama.cpp's own dot products make. Blocks whose
+ * largest exponent is below 2^-112 (or all zero) become zeros; inf or NaN gives a NaN scale. */
+static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in) {
+    const int64_t E = 32, blocks = M * K / E;
+    int8_t *X8 = (int8_t *)in.X;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const bf16 *xb = x + b * E;
+        int e_max = 0;
+        for (int64_t i = 0; i < E; i++) {
+            const int e = (xb[i] >> 7) & 0xFF;
+            e_max = e > e_max ? e : e_max;
+        }
+        int32_t total = 0;
+        float scale = 0.0f;
+        if (e_max >= 15 && e_max < 255) {
+            float amax = 0.0f;
+            for (int64_t i = 0; i < E; i++) amax = fmaxf(amax, fabsf(bf2f(xb[i])));
+            const float up = 127.0f / amax;
+            scale = amax / 127.0f;
+#ifdef SD_AVX512
+            for (int64_t h = 0; h < E; h += 16) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(xb + h), _mm512_set1_ps(up)));
+                _mm_storeu_si128((__m128i *)(X8 + b * E + h), _mm512_cvtepi32_epi8(v));
+                total += _mm512_reduce_add_epi32(v);
+            }
+#else
+            for (int64_t i = 0; i < E; i++) {
+                const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
+                X8[b * E + i] = (int8_t)v;
+                total += v;
+            }
+#endif
+        } else {
+            for (int64_t i = 0; i < E; i++) X8[b * E + i] = 0;
+            if (e_max == 255) scale = NAN;
+        }
+        in.scale[b] = scale;
+        in.offset_in[b] = scale * (float)total;
+    }
+}
+
 /* Input rows of the chunk starting at row m: ceil(M / QMB_MAX) chunks of near-equal size. */
 static inline int q_chunk(int64_t M, int64_t m) {
     const int64_t chunks = (M + QMB_MAX - 1) / QMB_MAX, base = M / chunks, extra = M % chunks;
@@ -1166,6 +1228,12 @@ static inline float q_offset_dot(const float *m, const float *o, int64_t n) {
     float sum = q_sum8(acc);
     for (; b < n; b++) sum = fmaf(m[b], o[b], sum);
     return sum;
+}
+
+/* An SD_W_Q4 block's 32 nibbles as bytes, in element order. */
+static inline __m256i q4_bytes(const uint8_t *blk) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
 /* A block's integers as 16-bit lanes: q[0] = elements 0-15, q[1] = 16-31 (SD_W_Q8H: q[0] only). */
@@ -1196,14 +1264,23 @@ static inline __attribute__((always_inline)) void q_tile(int fmt, const uint8_t 
             const uint8_t *blk = w + i * row_bytes + b * BB;
             _mm_prefetch((const char *)(blk + sd_q_prefetch * row_bytes), _MM_HINT_T0);
             __m256i q[2];
-            q_decode(fmt, blk, q);
+            if (fmt == SD_W_Q4)
+                q[0] = q4_bytes(blk);
+            else
+                q_decode(fmt, blk, q);
             const __m256 sv = _mm256_broadcast_ss((const float *)blk);
 #pragma GCC unroll 8
             for (int j = 0; j < mb; j++) {
-                const int16_t *xb = in.X + j * K + b * E;
-                __m256i dot = _mm256_madd_epi16(q[0], _mm256_loadu_si256((const __m256i *)xb));
-                if (fmt != SD_W_Q8H)
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(q[1], _mm256_loadu_si256((const __m256i *)(xb + 16))));
+                __m256i dot;
+                if (fmt == SD_W_Q4) { /* lane l: elements 4l..4l+3 (nibble times int8: no pair saturates) */
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(q_x8(in) + j * K + b * E));
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[0], xv), _mm256_set1_epi16(1));
+                } else {
+                    const int16_t *xb = in.X + j * K + b * E;
+                    dot = _mm256_madd_epi16(q[0], _mm256_loadu_si256((const __m256i *)xb));
+                    if (fmt != SD_W_Q8H)
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(q[1], _mm256_loadu_si256((const __m256i *)(xb + 16))));
+                }
                 const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(in.scale + j * nblk + b));
                 acc[i][j] = _mm256_fmadd_ps(sv, t, acc[i][j]);
             }
@@ -1230,13 +1307,15 @@ static inline void q_tile(int fmt, const uint8_t *w, int64_t row_bytes, q_input 
             for (int64_t b = 0; b < nblk; b++) {
                 const uint8_t *blk = w + i * row_bytes + b * BB;
                 const int16_t *xb = in.X + j * K + b * E;
+                const int8_t *xb8 = q_x8(in) + j * K + b * E;
                 float s;
                 memcpy(&s, blk, 4);
                 int32_t dot[8] = {0};
                 for (int64_t e = 0; e < E; e++) {
-                    const int32_t q = fmt == SD_W_Q4 ? (e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4)
-                                                     : ((const int8_t *)blk)[4 + e];
-                    dot[(e % 16) / 2] += q * xb[e];
+                    if (fmt == SD_W_Q4)
+                        dot[e / 4] += (e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4) * xb8[e];
+                    else
+                        dot[(e % 16) / 2] += ((const int8_t *)blk)[4 + e] * xb[e];
                 }
                 const float xs = in.scale[j * nblk + b];
                 for (int l = 0; l < 8; l++) acc[l] = fmaf(s, (float)dot[l] * xs, acc[l]);
@@ -1277,7 +1356,7 @@ static inline int q_tile_rows(int64_t M, int64_t left) {
 static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                          int64_t K) {
     const int64_t row_bytes = q_row_bytes(fmt, K), block = 16;
-    const int64_t nblocks = (N + block - 1) / block, nblk = K / q_block_elems(fmt);
+    const int64_t nblocks = (N + block - 1) / block;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const int64_t n_end = (blk + 1) * block < N ? (blk + 1) * block : N;
@@ -1286,8 +1365,7 @@ static void linear_q_for(q_input all, const uint8_t *w, int fmt, const bf16 *bia
             const uint8_t *wrow = w + n * row_bytes;
             for (int64_t m = 0; m < M;) {
                 const int mb = M == 1 ? 1 : q_chunk(M, m);
-                const q_input in = {all.X + m * K, all.scale + m * nblk,
-                                    fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+                const q_input in = q_input_from(all, fmt, m, K);
                 float res[QNB_DECODE * QMB_MAX];
                 if (fmt == SD_W_Q4) {
                     Q_TILE_CASE(SD_W_Q4)
@@ -1388,11 +1466,13 @@ void sd_linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf1
  * of rows.
  *
  * Layout: for each panel of QPANEL outputs (the last one zero-padded) its blocks in k order, each
- *   Q4:  fp32 scales [16], fp32 offsets [16], then 8 chunks of 32 bytes: chunk c byte 2l + i holds
- *        q[l][4c + i] (low nibble) and q[l][4c + 2 + i] (high nibble), i = 0, 1 (pairs 2c and 2c + 1);
+ *   Q4:  fp32 scales [16], fp32 offsets [16], then 4 chunks of 64 bytes: chunk h byte 4l + i holds
+ *        q[l][8h + i] (low nibble) and q[l][8h + 4 + i] (high nibble), i = 0..3 (quads 2h and 2h + 1), for
+ *        VPDPBUSD on the int8 activations (4 products per lane);
  *   Q8:  fp32 scales [16], then 16 pairs of 32 bytes: pair p byte 2l + i = q[l][2p + i] (int8);
  *   Q8H: fp32 scales [16], then 8 pairs of 32 bytes, as Q8 (E = 16).
- * y[m, n] = sum_b s_b (2^e_b sum_i q_i X_i) [+ sum_b m_b (2^e_b sum_i X_i), its own accumulator, for Q4]. */
+ * y[m, n] = sum_b s_b (d_b sum_i q_i X_i) [+ sum_b m_b (d_b sum_i X_i), its own accumulator, for Q4], d_b
+ * the block's activation scale (2^e_b, or amax / 127 for Q4). */
 #define QPANEL 16
 #define QP_MB 8 /* input rows per tile: 8 integer sums and 8 (Q4: 16) fp32 accumulators */
 
@@ -1422,9 +1502,9 @@ void sd_q_to_panels(const uint8_t *rows, int fmt, int64_t N, int64_t K, uint8_t 
                         q[e] = blk[4 + e] & 0x0F;
                         q[e + 16] = blk[4 + e] >> 4;
                     }
-                    for (int c = 0; c < 8; c++)
-                        for (int i = 0; i < 2; i++)
-                            dst[128 + 32 * c + 2 * l + i] = (uint8_t)(q[4 * c + i] | (q[4 * c + 2 + i] << 4));
+                    for (int h = 0; h < 4; h++)
+                        for (int i = 0; i < 4; i++)
+                            dst[128 + 64 * h + 4 * l + i] = (uint8_t)(q[8 * h + i] | (q[8 * h + 4 + i] << 4));
                 } else {
                     memcpy(q, blk + 4, (size_t)E);
                     for (int64_t pr = 0; pr < E / 2; pr++)
@@ -1442,6 +1522,15 @@ static inline __m512i qp_dot(__m512i acc, __m512i w, __m512i x) {
     return _mm512_dpwssd_epi32(acc, w, x);
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); /* the same exact integer sums */
+#endif
+}
+
+/* acc + per lane the sum of 4 products of unsigned bytes w (nibbles) and signed bytes x: exact. */
+static inline __m512i qp_dot_u8(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
 }
 
@@ -1475,24 +1564,26 @@ static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t
         for (int j = 0; j < mb; j++)
             for (int a = 0; a < split; a++) isum[j][a] = _mm512_setzero_si512();
         const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 128 : 64);
-        for (int64_t c = 0; c < E / 2 / (fmt == SD_W_Q4 ? 2 : 1); c++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(quants + 32 * c));
-            __m512i wv[2];
-            int pairs = 1;
-            if (fmt == SD_W_Q4) {
-                const __m512i v = _mm512_cvtepu8_epi16(bytes);
-                wv[0] = _mm512_and_si512(v, _mm512_set1_epi16(0x0F));
-                wv[1] = _mm512_srli_epi16(v, 4);
-                pairs = 2;
-            } else {
-                wv[0] = _mm512_cvtepi8_epi16(bytes);
+        if (fmt == SD_W_Q4) { /* 4 x 64 bytes, each two quads of 4 elements (low and high nibbles) */
+            for (int h = 0; h < 4; h++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(quants + 64 * h)), low = _mm512_set1_epi8(0x0F);
+                const __m512i wq[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+                for (int t = 0; t < 2; t++) {
+                    const int quad = 2 * h + t; /* elements 4 quad .. 4 quad + 3 of the block */
+                    for (int j = 0; j < mb; j++) {
+                        int32_t xquad;
+                        memcpy(&xquad, q_x8(in) + j * K + b * E + 4 * quad, 4);
+                        isum[j][quad % split] = qp_dot_u8(isum[j][quad % split], wq[t], _mm512_set1_epi32(xquad));
+                    }
+                }
             }
-            for (int h = 0; h < pairs; h++) {
-                const int64_t pair = pairs * c + h, k = 2 * pair; /* k: the pair's first element in the block */
+        } else {
+            for (int64_t c = 0; c < E / 2; c++) {
+                const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(quants + 32 * c)));
                 for (int j = 0; j < mb; j++) {
-                    int32_t xpair;
-                    memcpy(&xpair, in.X + j * K + b * E + k, 4);
-                    isum[j][pair % split] = qp_dot(isum[j][pair % split], wv[h], _mm512_set1_epi32(xpair));
+                    int32_t xpair; /* elements 2c, 2c + 1 */
+                    memcpy(&xpair, in.X + j * K + b * E + 2 * c, 4);
+                    isum[j][c % split] = qp_dot(isum[j][c % split], wv, _mm512_set1_epi32(xpair));
                 }
             }
         }
@@ -1539,14 +1630,14 @@ static inline int qp_chunk(int64_t M, int64_t m) {
 /* Work-shared over panels (each thread one contiguous range: one stream), inside a parallel region. */
 static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                           int64_t K) {
-    const int64_t npanels = (N + QPANEL - 1) / QPANEL, nblk = K / q_block_elems(fmt);
+    const int64_t npanels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = qp_panel_bytes(fmt, K);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < npanels; p++) {
         const uint8_t *wp = w + p * panel_bytes;
         for (int64_t m = 0; m < M;) {
             const int mb = qp_chunk(M, m);
-            const q_input in = {all.X + m * K, all.scale + m * nblk, fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+            const q_input in = q_input_from(all, fmt, m, K);
 #define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
             if (fmt == SD_W_Q4) {
                 QP_ROWS_SWITCH(SD_W_Q4)

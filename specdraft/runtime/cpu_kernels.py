@@ -348,8 +348,8 @@ def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias:
 def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None, out_features: int,
              threads: int) -> torch.Tensor:
     """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`)^T + bias, bf16 out:
-    the file's exact weights, activations as 16-bit integers per block (see cpu_kernels.c); each row's bits
-    independent of M."""
+    the file's exact weights, activations as int8 (Q4 layouts) or 16-bit integers per block (see
+    cpu_kernels.c); each row's bits independent of M."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
