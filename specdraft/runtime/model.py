@@ -328,6 +328,10 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         slots = list(range(B)) if slots is None else list(slots)
         cache.check_room(slots, T)
+        device = self.device  # callers build their index tensors on the CPU, wherever the model runs
+        tokens = tokens.to(device)
+        positions, tree_mask, branch_mask = (None if t is None else t.to(device)
+                                             for t in (positions, tree_mask, branch_mask))
         if (SMALL_BATCH_ROWS < T <= CHUNKED_PREFILL_TOKENS and positions is None and tree_mask is None
                 and branch_mask is None and self.fused.applies(self, SMALL_BATCH_ROWS, cache)):
             return self._forward_chunked(tokens, cache, slots, exit_layer, logits_from, return_hidden,

@@ -102,12 +102,15 @@ def uniforms(shape: tuple[int, ...], generator: Generators, dtype: torch.dtype =
              device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform [0, 1) draws of `shape`, from one generator, or one per row (`shape[0]` generators): row b's
     values are what `torch.rand(shape[1:], generator=generator[b])` draws, so a request batched with others
-    draws exactly what it draws alone."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(shape, generator=generator, dtype=dtype, device=device)
+    draws exactly what it draws alone. Each generator draws on its own device (requests keep CPU generators),
+    and the values move to `device`: a request draws the same numbers whatever device its logits are on."""
+    if generator is None:
+        return torch.rand(shape, dtype=dtype, device=device)
+    if isinstance(generator, torch.Generator):
+        return torch.rand(shape, generator=generator, dtype=dtype, device=generator.device).to(device)
     if len(generator) != shape[0]:
         raise ValueError(f"{len(generator)} generators for {shape[0]} rows")
-    return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype, device=device) for g in generator])
+    return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype, device=g.device) for g in generator]).to(device)
 
 
 def sample(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
