@@ -187,6 +187,7 @@ class EngineWorker:
                 self._fail(ticket, APIError(500, f"generation failed: {exc}", "server_error"))
             return
         now = time.perf_counter()
+        sends: list[tuple[Ticket, Event]] = []
         for chunk in chunks:
             ticket = self._running[chunk.request_id]
             self.metrics.observe_tokens(len(chunk.token_ids), now, ticket.arrived, ticket.last_token_at)
@@ -199,7 +200,8 @@ class EngineWorker:
                 self.metrics.finished(chunk.result.finish_reason)
                 self.metrics.e2e.observe(now - ticket.arrived)
             if chunk.text or chunk.token_ids or chunk.result is not None:
-                self._send(ticket, Event("chunk", text=chunk.text, token_ids=chunk.token_ids, result=chunk.result))
+                sends.append((ticket, Event("chunk", text=chunk.text, token_ids=chunk.token_ids, result=chunk.result)))
+        self._send_all(sends)
 
     def _abort(self, ticket: Ticket) -> None:
         if ticket.done:
@@ -233,12 +235,29 @@ class EngineWorker:
         self._send(ticket, Event("error", error=error))
 
     def _send(self, ticket: Ticket, event: Event) -> None:
-        try:
-            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        self._send_all([(ticket, event)])
+
+    @staticmethod
+    def _send_all(sends: list[tuple[Ticket, Event]]) -> None:
+        """Hand a round's events to their handlers with one wake-up of each event loop, not one per request:
+        every wake-up runs the loop's Python, which then holds the GIL the engine thread needs between its
+        kernel calls (measured at 8 streams: rounds 2-3 ms slower than the engine alone)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for ticket, event in sends:
+            by_loop.setdefault(ticket.loop, []).append((ticket.events, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
 
     def _publish_state(self) -> None:
         engine = self.engine
         self.metrics.set_state(len(self._running), len(self._waiting), engine.max_batch - engine.free_slots,
                                engine.max_batch)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
