@@ -1078,8 +1078,8 @@ int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefe
 #define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
 
 /* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
- * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only: d * sum X of
- * each block, what the block's offset multiplies). */
+ * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only:
+ * d * sum X of each block, what the block's offset multiplies). */
 typedef struct {
     int16_t *X; /* SD_W_Q4: int8 [M, K] in the same memory (X8 below) */
     float *scale, *offset_in;
@@ -1103,13 +1103,56 @@ static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
     return in;
 }
 
+/* SD_W_Q4's activations, as llama.cpp's Q8_1: per block of 32, d = amax / 127 and X = rint(x * (127 / amax))
+ * as int8 (|X| <= 127), scale d, offset_in d * sum X. Nibbles (unsigned) times int8 fill VPDPBUSD's 4 products
+ * per lane, twice VPDPWSSD's 2: these layers (most of a Q4 model's weights) cost half the integer
+ * instructions. The error, at most d / 2 an element, is what llama.cpp's own dot products make. Blocks whose
+ * largest exponent is below 2^-112 (or all zero) become zeros; inf or NaN gives a NaN scale. */
+static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in) {
+    const int64_t E = 32, blocks = M * K / E;
+    int8_t *X8 = (int8_t *)in.X;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const bf16 *xb = x + b * E;
+        int e_max = 0;
+        for (int64_t i = 0; i < E; i++) {
+            const int e = (xb[i] >> 7) & 0xFF;
+            e_max = e > e_max ? e : e_max;
+        }
+        int32_t total = 0;
+        float scale = 0.0f;
+        if (e_max >= 15 && e_max < 255) {
+            float amax = 0.0f;
+            for (int64_t i = 0; i < E; i++) amax = fmaxf(amax, fabsf(bf2f(xb[i])));
+            const float up = 127.0f / amax;
+            scale = amax / 127.0f;
+#ifdef SD_AVX512
+            for (int64_t h = 0; h < E; h += 16) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(xb + h), _mm512_set1_ps(up)));
+                _mm_storeu_si128((__m128i *)(X8 + b * E + h), _mm512_cvtepi32_epi8(v));
+                total += _mm512_reduce_add_epi32(v);
+            }
+#else
+            for (int64_t i = 0; i < E; i++) {
+                const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
+                X8[b * E + i] = (int8_t)v;
+                total += v;
+            }
+#endif
+        } else {
+            for (int64_t i = 0; i < E; i++) X8[b * E + i] = 0;
+            if (e_max == 255) scale = NAN;
+        }
+        in.scale[b] = scale;
+        in.offset_in[b] = scale * (float)total;
+    }
+}
+
 /* Block by block of E: the largest exponent e_max of |x| (bf16 bits), X = rint(x * 2^(141 - e_max)) (so the
  * largest magnitudes land in [2^14, 2^15)), scale 2^(e_max - 141). Blocks whose largest is below 2^-112 (or
  * zero) become zeros; a block holding inf or NaN gets a NaN scale. Work-shared over blocks (a block's result
  * depends on its own elements only); the arithmetic is exact except for rint (to nearest even, as lrintf in the
  * default rounding mode and VCVTPS2DQ). */
-static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in);
-
 static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
     if (fmt == SD_W_Q4) {
         q_quantize_input_i8(x, M, K, in);
@@ -1162,51 +1205,6 @@ static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_inp
     }
 }
 
-/* SD_W_Q4's activations, as llama.cpp's Q8_1: per block of 32, d = amax / 127 and X = rint(x * (127 / amax))
- * as int8 (|X| <= 127), scale d, offset_in d * sum X. Nibbles (unsigned) times int8 fill VPDPBUSD's 4 products
- * per lane, twice VPDPWSSD's 2: these layers (most of a Q4 model's weights) cost half the integer
- * instructions. The error, at most d / 2 an element, is what llama.cpp's own dot products make. Blocks whose
- * largest exponent is below 2^-112 (or all zero) become zeros; inf or NaN gives a NaN scale. */
-static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in) {
-    const int64_t E = 32, blocks = M * K / E;
-    int8_t *X8 = (int8_t *)in.X;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const bf16 *xb = x + b * E;
-        int e_max = 0;
-        for (int64_t i = 0; i < E; i++) {
-            const int e = (xb[i] >> 7) & 0xFF;
-            e_max = e > e_max ? e : e_max;
-        }
-        int32_t total = 0;
-        float scale = 0.0f;
-        if (e_max >= 15 && e_max < 255) {
-            float amax = 0.0f;
-            for (int64_t i = 0; i < E; i++) amax = fmaxf(amax, fabsf(bf2f(xb[i])));
-            const float up = 127.0f / amax;
-            scale = amax / 127.0f;
-#ifdef SD_AVX512
-            for (int64_t h = 0; h < E; h += 16) {
-                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(xb + h), _mm512_set1_ps(up)));
-                _mm_storeu_si128((__m128i *)(X8 + b * E + h), _mm512_cvtepi32_epi8(v));
-                total += _mm512_reduce_add_epi32(v);
-            }
-#else
-            for (int64_t i = 0; i < E; i++) {
-                const int32_t v = (int32_t)lrintf(bf2f(xb[i]) * up);
-                X8[b * E + i] = (int8_t)v;
-                total += v;
-            }
-#endif
-        } else {
-            for (int64_t i = 0; i < E; i++) X8[b * E + i] = 0;
-            if (e_max == 255) scale = NAN;
-        }
-        in.scale[b] = scale;
-        in.offset_in[b] = scale * (float)total;
-    }
-}
-
 /* Input rows of the chunk starting at row m: ceil(M / QMB_MAX) chunks of near-equal size. */
 static inline int q_chunk(int64_t M, int64_t m) {
     const int64_t chunks = (M + QMB_MAX - 1) / QMB_MAX, base = M / chunks, extra = M % chunks;
@@ -1236,16 +1234,10 @@ static inline __m256i q4_bytes(const uint8_t *blk) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
 
-/* A block's integers as 16-bit lanes: q[0] = elements 0-15, q[1] = 16-31 (SD_W_Q8H: q[0] only). */
+/* An 8-bit block's integers as 16-bit lanes: q[0] = elements 0-15, q[1] = 16-31 (SD_W_Q8H: q[0] only). */
 static inline __attribute__((always_inline)) void q_decode(int fmt, const uint8_t *blk, __m256i *q) {
-    if (fmt == SD_W_Q4) {
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
-        q[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
-        q[1] = _mm256_srli_epi16(bytes, 4);
-    } else {
-        q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
-        if (fmt == SD_W_Q8) q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 20)));
-    }
+    q[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
+    if (fmt == SD_W_Q8) q[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 20)));
 }
 
 
