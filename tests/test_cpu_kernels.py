@@ -587,3 +587,40 @@ def test_bf16_probe_measures_this_cpu_once(monkeypatch, tmp_path):
     assert len(cached) == 1
     cached[0].write_text("1 2\n")
     assert cpu_kernels._measure_bf16_dot("this cpu") == (1.0, 2.0)  # read back, not measured again
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "gemma3_hd32"])
+def test_key_panels_mirror_the_key_cache_whoever_writes_it(monkeypatch, family):
+    """Where the kernels keep key panels (a second copy of the keys, in the layout their attention reads), every
+    writer keeps them equal to the key cache: the kernels as they store keys, the PyTorch path (prompts past
+    CHUNKED_PREFILL_TOKENS) and `compact` (a tree path) through `sync_key_panels`. Attention reading the panels
+    gives the bits it gives transposing the key cache itself."""
+    from specdraft.runtime import model as model_module
+
+    if not cpu_kernels.key_panel_width(kernel_config(family).head_dim):
+        pytest.skip("this kernel build reads the key cache itself (no key panels)")
+    model = kernel_model(family)
+    cache = model.new_cache(256, num_slots=2)
+    model(ids(5, 1), cache, slots=[1])  # a fused forward first: the panels exist from here on
+    cache.commit(1, 5)
+    monkeypatch.setattr(model_module, "CHUNKED_PREFILL_TOKENS", 8)  # a 40-token prompt takes PyTorch's path
+    model(ids(40, 2), cache, slots=[0])
+    cache.commit(0, 40)
+    block = ids(6, 3)
+    model(block, cache, slots=[0])  # the kernels store 6 keys, then a tree path moves two of them up
+    cache.compact(0, [0, 2, 5])
+
+    def mirrored(slot: int, length: int) -> torch.Tensor:  # the panels, read back in the key cache's layout
+        width = cache.k_panels[0].shape[-1]
+        positions = torch.arange(length)
+        return torch.stack([p[slot][:, positions // width, :, positions % width].transpose(0, 1).contiguous()
+                            .view(torch.bfloat16) for p in cache.k_panels])
+
+    for slot, length in ((0, 43), (1, 5)):
+        assert torch.equal(mirrored(slot, length), torch.stack([k[slot, :, :length] for k in cache.k]))
+    with_panels = model(ids(1, 4), cache, slots=[0])
+    monkeypatch.setattr(cpu_kernels, "key_panel_width", lambda head_dim: 0)  # the attention transposes again
+    without = model(ids(1, 4), cache, slots=[0])
+    assert cache.k_panels is None
+    assert torch.equal(with_panels, without)

@@ -124,6 +124,7 @@ class ModelDrafter:
         for mine, theirs in ((self.cache.k, state.target_cache.k), (self.cache.v, state.target_cache.v)):
             for layer, dst in enumerate(mine):
                 dst[state.slot, :, start:end] = theirs[layer][state.target_slot, :, start:end]
+        self.cache.sync_key_panels(state.slot, start, end)
         self.cache.commit(state.slot, end)
 
     def _feed(self, states: list[_DraftState], feeds: list[list[int]]) -> torch.Tensor:

@@ -178,7 +178,7 @@ def bf16_gemm_is_native() -> bool:
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "sd_linear": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
-    "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P,
+    "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
                     _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
     "sd_linear_panels": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
@@ -194,6 +194,7 @@ _SIGNATURES = {
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
+    "sd_key_panel_width": ([_I], ctypes.c_int),
     "sd_has_avx512": ([], ctypes.c_int),
     "sd_simd_level": ([], ctypes.c_int),
     "sd_amx_init": ([], ctypes.c_int),
@@ -394,19 +395,28 @@ def k_multiple() -> int:
     return _lib.sd_linear_k_multiple()
 
 
+def key_panel_width(head_dim: int) -> int:
+    """Keys per panel of the key-panel copy the kernels keep current and read (cpu_kernels.c: key_to_panels);
+    0 where their attention reads the key cache itself (AVX2, portable, AMX tiles)."""
+    return int(_lib.sd_key_panel_width(head_dim))
+
+
 def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
     """A C array of the tensors' data pointers (the caller keeps the tensors alive)."""
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
 def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_caches: ctypes.Array,
-                   v_caches: ctypes.Array, x: torch.Tensor, slots: torch.Tensor, cache_pos: torch.Tensor,
+                   v_caches: ctypes.Array, k_panels: ctypes.Array | None, x: torch.Tensor, slots: torch.Tensor,
+                   cache_pos: torch.Tensor,
                    masks: dict[str, torch.Tensor], ropes: dict[str, tuple], batch: int, tokens: int,
                    threads: int, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the first `num_layers` layers on the residual stream x [B*T, dim] in place; returns the final-normed
     hidden states and, when `capture_layers` names layers, the residual stream after each of them
     [len(capture_layers), B*T, dim] (else None).
-    k_caches/v_caches: `addresses` of each layer's cache tensors, contiguous bf16 [slots, kv_heads, L, D]."""
+    k_caches/v_caches: `addresses` of each layer's cache tensors, contiguous bf16 [slots, kv_heads, L, D];
+    k_panels: those of the cache's key panels (`KVCache.enable_key_panels`, kept current by the kernels), or
+    None where the kernels keep none (`key_panel_width` 0)."""
     normed = torch.empty_like(x)
     captured = capture_at = None
     if capture_layers:
@@ -418,7 +428,7 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
     key_len = (full if full is not None else sliding).shape[-1]
     cos_full, sin_full = ropes.get("full", (None, None))
     cos_sliding, sin_sliding = ropes.get("sliding", (None, None))
-    status = _lib.sd_forward(layers, num_layers, ctypes.byref(shape), k_caches, v_caches, x.data_ptr(),
+    status = _lib.sd_forward(layers, num_layers, ctypes.byref(shape), k_caches, v_caches, k_panels, x.data_ptr(),
                              normed.data_ptr(),
                              slots.data_ptr(), cache_pos.data_ptr(), _ptr(full), _ptr(sliding), key_len,
                              _ptr(cos_full), _ptr(sin_full), _ptr(cos_sliding), _ptr(sin_sliding), batch, tokens,

@@ -49,7 +49,7 @@ class FusedCPUBackend:
         [B, T, dim] and the residual stream after each of `capture_layers` [len, B, T, dim] (or None)."""
         B, T, dim = x.shape
         layers, shape = self._weight_table(model)
-        k_caches, v_caches = self._cache_table(cache)
+        k_caches, v_caches, k_panels = self._cache_table(cache)
         shape.max_len = cache.max_len
         ropes = {kind: (a.reshape(B * T, -1).cos(), a.reshape(B * T, -1).sin()) for kind, a in angles.items()}
         residual = x.reshape(B * T, dim).contiguous()
@@ -57,7 +57,8 @@ class FusedCPUBackend:
         threads = self.governor.threads(available)
         start = time.perf_counter()
         normed, captured = cpu_kernels.forward_layers(
-            layers, num_layers, shape, k_caches, v_caches, residual, slots, cache_pos.reshape(-1).contiguous(),
+            layers, num_layers, shape, k_caches, v_caches, k_panels, residual, slots,
+            cache_pos.reshape(-1).contiguous(),
             masks, ropes, B, T, threads, capture_layers)
         self.governor.record(B * T, threads, available, time.perf_counter() - start)
         if captured is not None:
@@ -76,13 +77,22 @@ class FusedCPUBackend:
                                       *_build_weight_table(model))
         return cached[4]
 
-    def _cache_table(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
-        """The cache's per-layer key and value addresses, kept as long as the cache lives."""
+    def _cache_table(self, cache: KVCache) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array | None]:
+        """The cache's per-layer key, value and key-panel addresses, kept as long as the cache lives. The key
+        panels are made on first use where the kernels read them, and dropped where a kernel build that does
+        not keep them (tests build each path) would let them go stale."""
+        width = cpu_kernels.key_panel_width(cache.k[0].shape[-1])
+        if width:
+            cache.enable_key_panels(width)
+        elif cache.k_panels is not None:
+            cache.drop_key_panels()
         table = self._caches.get(cache)
-        if table is None:
+        if table is None or table[3] is not cache.k_panels:
             assert all(t.is_contiguous() for t in (*cache.k, *cache.v))
-            table = self._caches[cache] = (cpu_kernels.addresses(cache.k), cpu_kernels.addresses(cache.v))
-        return table
+            panels = cpu_kernels.addresses(cache.k_panels) if cache.k_panels is not None else None
+            table = self._caches[cache] = (cpu_kernels.addresses(cache.k), cpu_kernels.addresses(cache.v), panels,
+                                           cache.k_panels)
+        return table[:3]
 
 
 def _build_weight_table(model: nn.Module) -> tuple[list, tuple[ctypes.Array, cpu_kernels.ModelShape] | None]:

@@ -78,7 +78,44 @@ class KVCache(SlotLengths):
         # Zeros, not empty: masked stale entries are multiplied by 0 and must never be NaN.
         self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        # A second copy of the keys in the layout the CPU kernels' attention reads (`enable_key_panels`).
+        self.k_panels: list[torch.Tensor] | None = None
         super().__init__(max_len, num_slots)
+
+    def enable_key_panels(self, width: int) -> list[torch.Tensor]:
+        """Keep each layer's keys also as panels [slots, kv_heads, max_len / width, head_dim / 2, width] of
+        bf16 pairs (key t in lane t % width of panel t / width), the layout in which the CPU kernels' attention
+        multiplies them: the kernels write both copies as they store keys, and this class mirrors into the
+        panels every key it moves; anything else that writes keys calls `sync_key_panels`. The panels of the
+        committed entries are made now. Only keys a forward can see need to match: stale entries past a slot's
+        length are masked (and the panels' are finite: zeros or old keys)."""
+        if self.k_panels is not None:
+            return self.k_panels
+        num_slots, heads, max_len, head_dim = self.k[0].shape
+        if max_len % width or head_dim % 2 or self.k[0].dtype != torch.bfloat16:
+            raise ValueError(f"key panels of {width} need bf16 keys, an even head_dim and a max_len that is a "
+                             f"multiple of {width}")
+        shape = (num_slots, heads, max_len // width, head_dim // 2, width)
+        with torch.inference_mode(False):  # made inside a forward, updated outside one (`compact`)
+            self.k_panels = [lazy_zeros(shape, torch.int32, self.k[0].device) for _ in self.k]
+        for slot, length in enumerate(self.lengths):
+            self.sync_key_panels(slot, 0, length)
+        return self.k_panels
+
+    def drop_key_panels(self) -> None:
+        """Stop keeping key panels (a kernel build that does not read them is writing keys now)."""
+        self.k_panels = None
+
+    def sync_key_panels(self, slot: int, start: int, end: int) -> None:
+        """Copy the keys of positions [start, end) of `slot` into the key panels (if kept)."""
+        if self.k_panels is None or end <= start:
+            return
+        width = self.k_panels[0].shape[-1]
+        positions = torch.arange(start, end)
+        blocks, lanes = positions // width, positions % width
+        for keys, panels in zip(self.k, self.k_panels):
+            words = keys[slot, :, start:end].contiguous().view(torch.int32)        # [kv_heads, n, head_dim / 2]
+            panels[slot][:, blocks, :, lanes] = words.transpose(0, 1)              # indexed: [n, kv_heads, words]
 
     def compact(self, slot: int, src_offsets: Sequence[int]) -> None:
         """Move uncommitted entries at committed+src_offsets[i] to committed+i (accepting a token-tree path),
@@ -88,4 +125,5 @@ class KVCache(SlotLengths):
         dst = torch.arange(len(src_offsets)) + start
         for cache in (*self.k, *self.v):
             cache[slot, :, dst] = cache[slot, :, src]
+        self.sync_key_panels(slot, start, start + len(src_offsets))
         self.commit(slot, start + len(src_offsets))

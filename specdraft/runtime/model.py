@@ -364,6 +364,8 @@ class Transformer(nn.Module):
             caches = list(zip(cache.k[:num_layers], cache.v[:num_layers]))
             x, captured = self._run_layers(x, ropes, masks, self._causal(T, from_start), caches, tuple(slots), index,
                                            capture_layers)
+            for slot, start in zip(slots, starts):  # keys the kernels' copy has not seen (if it keeps one)
+                cache.sync_key_panels(slot, start, start + T)
             hidden = self.norm(x[:, logits_from:])
         if hidden.shape[1]:
             logits = self._head(hidden)
