@@ -1,22 +1,52 @@
-"""Forward time of a GGUF-native SmolLM2 at long contexts: B sequences x 1 new token after C committed tokens
-each (medians of 31). The figures behind the key panels (runtime/kv_cache.py `enable_key_panels`).
+"""Forward time of GGUF-native SmolLM2 at long contexts: B sequences x 1 new token after C committed tokens each
+(medians of 31). The figures behind the key panels (runtime/kv_cache.py `enable_key_panels`); run it in two
+checkouts, alternately, to compare them.
 
-    python scripts/bench_attention_context.py LABEL
+    python scripts/bench_attention_context.py LABEL [--contexts 1000,2000] [--batches 1,4,8]
 """
-import time, torch, sys
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
 from specdraft.runtime.loader import load_model
-m = load_model("smollm2-135m", dtype="gguf", progress=False)
-g = torch.Generator().manual_seed(0)
-res = []
-for ctx in (1000, 2000):
-    cache = m.new_cache(ctx + 64, 8)
-    for s in range(8):
-        m.forward(torch.randint(100, 20000, (1, ctx), generator=g), cache, slots=[s], logits_from=ctx-1); cache.commit(s, ctx)
-    for B, T in ((1, 1), (4, 1), (8, 1)):
-        tok = torch.randint(100, 20000, (B, T), generator=g)
-        for _ in range(3): m.forward(tok, cache, slots=list(range(B)))
-        ts = []
-        for _ in range(31):
-            t = time.perf_counter(); m.forward(tok, cache, slots=list(range(B))); ts.append(time.perf_counter() - t)
-        ts.sort(); res.append(f"c{ctx}:{B}x{T}={ts[15]*1e3:.1f}")
-print(sys.argv[1], " ".join(res), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("label")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="gguf")
+    parser.add_argument("--contexts", default="1000,2000")
+    parser.add_argument("--batches", default="1,4,8")
+    args = parser.parse_args()
+    model = load_model(args.model, dtype=args.dtype, progress=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        cache = model.new_cache(context + 64, max(batches))
+        for slot in range(max(batches)):
+            model.forward(torch.randint(100, 20000, (1, context), generator=g), cache, slots=[slot],
+                          logits_from=context - 1)
+            cache.commit(slot, context)
+        for batch in batches:
+            tokens = torch.randint(100, 20000, (batch, 1), generator=g)
+            slots = list(range(batch))
+            for _ in range(3):
+                model.forward(tokens, cache, slots=slots)
+            times = []
+            for _ in range(31):
+                start = time.perf_counter()
+                model.forward(tokens, cache, slots=slots)
+                times.append(time.perf_counter() - start)
+            results.append(f"c{context}:{batch}x1={statistics.median(times) * 1e3:.1f}")
+    print(args.label, " ".join(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
