@@ -241,7 +241,7 @@ class EngineWorker:
     def _send_all(sends: list[tuple[Ticket, Event]]) -> None:
         """Hand a round's events to their handlers with one wake-up of each event loop, not one per request:
         every wake-up runs the loop's Python, which then holds the GIL the engine thread needs between its
-        kernel calls (measured at 8 streams: rounds 2-3 ms slower than the engine alone)."""
+        kernel calls (8 streams, stop 29: 410-425 output tok/s with a wake-up per request, 439-468 with one)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
         for ticket, event in sends:
             by_loop.setdefault(ticket.loop, []).append((ticket.events, event))
@@ -250,7 +250,6 @@ class EngineWorker:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
-
 
     def _publish_state(self) -> None:
         engine = self.engine
