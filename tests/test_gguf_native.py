@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from specdraft.errors import ModelLoadError
-from specdraft.runtime import cpu_kernels
+from specdraft.runtime import cpu_kernels, gguf_native
 from specdraft.runtime.gguf_native import (
     BLOCK_BYTES,
     Q4,
@@ -169,6 +169,55 @@ def test_native_linear_without_kernels_dequantizes():
     with cpu_kernels.disabled():
         y = layer(x)
     assert torch.allclose(y.float(), x.float() @ layer.dequantize().T, rtol=2 ** -7, atol=1e-2)
+
+
+def scales_are_fp16(packed: np.ndarray, fmt: int, in_features: int) -> bool:
+    """Whether every scale (and Q4's offsets) of repacked rows is an fp16 value: read from the row layout
+    (gguf_native.py) without the kernels."""
+    nblk = in_features // (16 if fmt == gguf_native.Q8H else 32)
+    block = 20 if fmt == Q4 else BLOCK_BYTES[fmt]
+    blocks = packed[:, :nblk * block].reshape(len(packed), nblk, block)
+    values = [np.ascontiguousarray(blocks[..., :4]).view(np.float32)]
+    if fmt == Q4:
+        values.append(np.ascontiguousarray(packed[:, nblk * block:]).view(np.float32))
+    return all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in values)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_panels_hold_fp16_scales_where_exact_with_the_same_bits(qtype):
+    """Panels keep the scales as fp16 (fewer bytes a decoded token) exactly when all of them are fp16 values,
+    and the results are the bits of the fp32 panels, on fp16 edge cases too (subnormals, zero, the largest)."""
+    if not cpu_kernels.q_panels_active():
+        pytest.skip("GGUF-native panels need AVX-512")
+    raw = raw_tensor(qtype, 37, 512, seed=5)
+    if qtype in (T.Q8_0, T.Q4_0):  # first block of each row: its fp16 scale d (bytes 0-1) set to an edge case
+        largest = 65504.0 if qtype == T.Q8_0 else 4096.0  # Q4_0's offset is -8 d: fp16 up to 8192
+        edge = np.array([2 ** -24, 3 * 2 ** -20, 0.0, -2 ** -14, largest, 2 ** -10], np.float16)
+        per_row = raw.shape[1] // (512 // 32)
+        raw = raw.copy()
+        for r in range(raw.shape[0]):
+            raw[r, :2] = edge[r % len(edge):r % len(edge) + 1].view(np.uint8)
+        assert per_row in (34, 18)
+    fmt, packed, _ = repack(raw, qtype, 512)
+    packed_t = torch.from_numpy(packed)
+    panels, layout = cpu_kernels.q_panels(packed_t, fmt, 512)
+    _, layout32 = cpu_kernels.q_panels(packed_t, fmt, 512, half_scales=False)
+    exact = scales_are_fp16(packed, fmt, 512)
+    assert bool(layout & cpu_kernels.HALF) == exact and layout32 == fmt
+    if qtype in QUANTIZABLE:  # their files store the scales as fp16
+        assert exact
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    for rows in (1, 3, 9):
+        half = cpu_kernels.linear_q(x[:rows], packed_t, fmt, None, 37, 2)
+        full = cpu_kernels.linear_q(x[:rows], packed_t, fmt, None, 37, 2, half_scales=False)
+        assert torch.equal(half, full)
+    if not exact:  # an fp32-only scale must not have been squeezed: a K-quant case or a planted one
+        return
+    planted = packed.copy()
+    planted[3, :4] = np.array([1 + 2 ** -20], np.float32).view(np.uint8)  # not an fp16 value
+    assert not scales_are_fp16(planted, fmt, 512)
+    assert not cpu_kernels.q_panels(torch.from_numpy(planted), fmt, 512)[1] & cpu_kernels.HALF
 
 
 def native_copy(model, types=(T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_0)):

@@ -1062,9 +1062,10 @@ void sd_linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
  * and the offset terms are one dot product over the row's blocks in a fixed order, so a row's bits do not
  * depend on the tile or on the number of rows. */
 /* Layouts of a linear layer's weights; SD_W_QPANELS | a GGUF layout: that layout's panels (below). */
-enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3, SD_W_PANELS = 4, SD_W_QPANELS = 8 };
+enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3, SD_W_PANELS = 4, SD_W_QPANELS = 8, SD_W_HALF = 16 };
+#define SD_W_GGUF 3 /* the GGUF layout bits of a panel format (SD_W_HALF: its scales as fp16) */
 
-static inline int64_t q_block_elems(int fmt) { return fmt == SD_W_Q8H ? 16 : 32; }
+static inline int64_t q_block_elems(int fmt) { return (fmt & SD_W_GGUF) == SD_W_Q8H ? 16 : 32; }
 /* Bytes of one block in the row's block area (SD_W_Q4 keeps its offsets apart, after the blocks). */
 static inline int64_t q_block_bytes(int fmt) { return fmt == SD_W_Q4 ? 20 : fmt == SD_W_Q8 ? 36 : 20; }
 static inline int64_t q_row_bytes(int fmt, int64_t K) {
@@ -1464,21 +1465,75 @@ void sd_linear_q(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf1
  *   Q8:  fp32 scales [16], then 16 pairs of 32 bytes: pair p byte 2l + i = q[l][2p + i] (int8);
  *   Q8H: fp32 scales [16], then 8 pairs of 32 bytes, as Q8 (E = 16).
  * y[m, n] = sum_b s_b (d_b sum_i q_i X_i) [+ sum_b m_b (d_b sum_i X_i), its own accumulator, for Q4], d_b
- * the block's activation scale (2^e_b, or amax / 127 for Q4). */
+ * the block's activation scale (2^e_b, or amax / 127 for Q4).
+ *
+ * SD_W_HALF | a layout: its scales and offsets as fp16 [16] (32 bytes each) where every one of the matrix is
+ * an fp16 value (Q4_0, Q4_1 and Q8_0 files store them so; Q4_K's products of two scales often are not, and
+ * sd_q_half_exact says so). VCVTPH2PS widens them back exactly, so the results are the same bits, and a
+ * decoded token reads 5 bits a weight instead of 6 (Q4) or 8.5 instead of 9 (Q8): decoding is bandwidth-bound. */
 #define QPANEL 16
 #define QP_MB 8 /* input rows per tile: 8 integer sums and 8 (Q4: 16) fp32 accumulators */
 
+static inline int64_t qp_scale_bytes(int fmt) { return fmt & SD_W_HALF ? 32 : 64; }
 static inline int64_t qp_block_bytes(int fmt) {
-    return fmt == SD_W_Q4 ? 64 + 64 + 256 : fmt == SD_W_Q8 ? 64 + 512 : 64 + 256;
+    const int base = fmt & SD_W_GGUF;
+    const int64_t sc = qp_scale_bytes(fmt);
+    return base == SD_W_Q4 ? sc + sc + 256 : base == SD_W_Q8 ? sc + 512 : sc + 256;
 }
 static inline int64_t qp_panel_bytes(int fmt, int64_t K) { return K / q_block_elems(fmt) * qp_block_bytes(fmt); }
 int64_t sd_qp_panel_bytes(int fmt, int64_t K) { return qp_panel_bytes(fmt, K); }
 
-/* Rows [N, q_row_bytes] of layout fmt into panels [ceil(N / QPANEL), qp_panel_bytes] (a permutation of the
- * same integers and scales; rows past N zero). */
+/* f as fp16 bits in *h when f is an fp16 value (zero, normal or subnormal; not inf or NaN); 0 otherwise. */
+static int f16_exact(float f, uint16_t *h) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, exp = (bits >> 23) & 0xFFu, man = bits & 0x7FFFFFu;
+    if (exp == 0xFF || (exp == 0 && man)) return 0; /* inf, NaN, fp32 subnormals (far below fp16's range) */
+    if (exp == 0) {
+        *h = (uint16_t)sign;
+        return 1;
+    }
+    const int e = (int)exp - 127;
+    if (e > 15) return 0;
+    if (e >= -14) { /* normal in fp16: 10 mantissa bits */
+        if (man & 0x1FFFu) return 0;
+        *h = (uint16_t)(sign | (uint32_t)(e + 15) << 10 | man >> 13);
+        return 1;
+    }
+    const uint32_t sig = man | 0x800000u; /* subnormal in fp16: sig * 2^(e - 23) = m * 2^-24 */
+    const int shift = -(e + 1);
+    if (shift > 24 || (sig & ((1u << shift) - 1))) return 0;
+    *h = (uint16_t)(sign | sig >> shift);
+    return 1;
+}
+
+/* Whether every scale and offset of GGUF-native rows [N, q_row_bytes] of layout fmt is an fp16 value (then
+ * their panels can hold them as fp16: SD_W_HALF). */
+int sd_q_half_exact(const uint8_t *rows, int fmt, int64_t N, int64_t K) {
+    const int64_t BB = q_block_bytes(fmt), nblk = K / q_block_elems(fmt), row_bytes = q_row_bytes(fmt, K);
+    uint16_t h;
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = rows + n * row_bytes;
+        for (int64_t b = 0; b < nblk; b++) {
+            float v;
+            memcpy(&v, row + b * BB, 4);
+            if (!f16_exact(v, &h)) return 0;
+            if (fmt == SD_W_Q4) {
+                memcpy(&v, row + nblk * BB + b * 4, 4);
+                if (!f16_exact(v, &h)) return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* Rows [N, q_row_bytes] of layout fmt & SD_W_GGUF into panels [ceil(N / QPANEL), qp_panel_bytes(fmt)] (a
+ * permutation of the same integers and scales; rows past N zero). SD_W_HALF in fmt: scales and offsets as
+ * fp16, which they must all be (sd_q_half_exact). */
 void sd_q_to_panels(const uint8_t *rows, int fmt, int64_t N, int64_t K, uint8_t *panels, int threads) {
-    const int64_t E = q_block_elems(fmt), BB = q_block_bytes(fmt), nblk = K / E, row_bytes = q_row_bytes(fmt, K);
-    const int64_t npanels = (N + QPANEL - 1) / QPANEL, PB = qp_block_bytes(fmt);
+    const int base = fmt & SD_W_GGUF, half = (fmt & SD_W_HALF) != 0;
+    const int64_t E = q_block_elems(base), BB = q_block_bytes(base), nblk = K / E, row_bytes = q_row_bytes(base, K);
+    const int64_t npanels = (N + QPANEL - 1) / QPANEL, PB = qp_block_bytes(fmt), SC = qp_scale_bytes(fmt);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < npanels; p++)
         for (int64_t b = 0; b < nblk; b++) {
@@ -1486,21 +1541,33 @@ void sd_q_to_panels(const uint8_t *rows, int fmt, int64_t N, int64_t K, uint8_t 
             memset(dst, 0, (size_t)PB);
             for (int64_t l = 0; l < QPANEL && p * QPANEL + l < N; l++) {
                 const uint8_t *row = rows + (p * QPANEL + l) * row_bytes, *blk = row + b * BB;
-                memcpy(dst + 4 * l, blk, 4); /* scale */
-                uint8_t q[32];             /* the block's integers (as bytes: nibbles 0..15, or int8) */
-                if (fmt == SD_W_Q4) {
-                    memcpy(dst + 64 + 4 * l, row + nblk * BB + b * 4, 4); /* offset */
+                const uint8_t *scales[2] = {blk, row + nblk * BB + b * 4}; /* scale, and Q4's offset */
+                for (int t = 0; t < (base == SD_W_Q4 ? 2 : 1); t++) {
+                    uint8_t *to = dst + t * SC;
+                    if (half) {
+                        float v;
+                        uint16_t h = 0;
+                        memcpy(&v, scales[t], 4);
+                        f16_exact(v, &h);
+                        memcpy(to + 2 * l, &h, 2);
+                    } else {
+                        memcpy(to + 4 * l, scales[t], 4);
+                    }
+                }
+                uint8_t q[32]; /* the block's integers (as bytes: nibbles 0..15, or int8) */
+                uint8_t *quants = dst + (base == SD_W_Q4 ? 2 * SC : SC);
+                if (base == SD_W_Q4) {
                     for (int e = 0; e < 16; e++) {
                         q[e] = blk[4 + e] & 0x0F;
                         q[e + 16] = blk[4 + e] >> 4;
                     }
                     for (int h = 0; h < 4; h++)
                         for (int i = 0; i < 4; i++)
-                            dst[128 + 64 * h + 4 * l + i] = (uint8_t)(q[8 * h + i] | (q[8 * h + 4 + i] << 4));
+                            quants[64 * h + 4 * l + i] = (uint8_t)(q[8 * h + i] | (q[8 * h + 4 + i] << 4));
                 } else {
                     memcpy(q, blk + 4, (size_t)E);
                     for (int64_t pr = 0; pr < E / 2; pr++)
-                        for (int i = 0; i < 2; i++) dst[64 + 32 * pr + 2 * l + i] = q[2 * pr + i];
+                        for (int i = 0; i < 2; i++) quants[32 * pr + 2 * l + i] = q[2 * pr + i];
                 }
             }
         }
@@ -1526,36 +1593,33 @@ static inline __m512i qp_dot_u8(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+/* A panel block's 16 scales (or offsets): fp32, or fp16 widened exactly. */
+static inline __m512 qp_scales(const uint8_t *p, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+}
+
 /* The QPANEL outputs of panel w for mb input rows into y [mb, N] (+ bias), rounded to bf16 once. `in` holds the
- * tile's rows (X with row stride K, scales and offsets with row stride nblk). */
+ * tile's rows (X with row stride K, scales and offsets with row stride nblk); fmt a GGUF layout, | SD_W_HALF. */
 static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t *w, q_input in, int64_t K,
                                                           int64_t panel_bytes, const bf16 *bias, bf16 *y,
                                                           int64_t N, int64_t n0, int mb) {
-    const int64_t E = q_block_elems(fmt), PB = qp_block_bytes(fmt), nblk = K / E;
+    const int half = (fmt & SD_W_HALF) != 0;
+    fmt &= SD_W_GGUF;
+    const int64_t E = q_block_elems(fmt), PB = qp_block_bytes(fmt | (half ? SD_W_HALF : 0)), nblk = K / E;
+    const int64_t SC = half ? 32 : 64; /* bytes of the block's 16 scales (and of Q4's 16 offsets) */
     __m512 acc[QP_MB], off[QP_MB];
     for (int j = 0; j < mb; j++) acc[j] = off[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *blk = w + b * PB;
-        _mm_prefetch((const char *)(blk + panel_bytes), _MM_HINT_T1); /* the next panel, as panel_acc */
-        _mm_prefetch((const char *)(blk + panel_bytes + 64), _MM_HINT_T1);
-        _mm_prefetch((const char *)(blk + panel_bytes + 128), _MM_HINT_T1);
-        _mm_prefetch((const char *)(blk + panel_bytes + 192), _MM_HINT_T1);
-        _mm_prefetch((const char *)(blk + panel_bytes + 256), _MM_HINT_T1);
-        if (fmt != SD_W_Q8H) {
-            _mm_prefetch((const char *)(blk + panel_bytes + 320), _MM_HINT_T1);
-            if (fmt == SD_W_Q8) {
-                _mm_prefetch((const char *)(blk + panel_bytes + 384), _MM_HINT_T1);
-                _mm_prefetch((const char *)(blk + panel_bytes + 448), _MM_HINT_T1);
-                _mm_prefetch((const char *)(blk + panel_bytes + 512), _MM_HINT_T1);
-            }
-        }
+        for (int64_t line = 0; line < PB; line += 64) /* the next panel, as panel_acc */
+            _mm_prefetch((const char *)(blk + panel_bytes + line), _MM_HINT_T1);
         /* Integer sums are exact in any order, so few rows split theirs over independent accumulators (pairs
          * in turn): one chain of VPDPWSSD per row would wait on the instruction's latency. */
         const int split = mb == 1 ? 4 : mb <= 4 ? 2 : 1;
         __m512i isum[QP_MB][4];
         for (int j = 0; j < mb; j++)
             for (int a = 0; a < split; a++) isum[j][a] = _mm512_setzero_si512();
-        const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 128 : 64);
+        const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 2 * SC : SC);
         if (fmt == SD_W_Q4) { /* 4 x 64 bytes, each two quads of 4 elements (low and high nibbles) */
             for (int h = 0; h < 4; h++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(quants + 64 * h)), low = _mm512_set1_epi8(0x0F);
@@ -1579,14 +1643,14 @@ static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t
                 }
             }
         }
-        const __m512 s = _mm512_loadu_ps((const float *)blk);
+        const __m512 s = qp_scales(blk, half);
         for (int j = 0; j < mb; j++) {
             for (int a = 1; a < split; a++) isum[j][0] = _mm512_add_epi32(isum[j][0], isum[j][a]);
             const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[j][0]), _mm512_set1_ps(in.scale[j * nblk + b]));
             acc[j] = _mm512_fmadd_ps(s, t, acc[j]);
         }
         if (fmt == SD_W_Q4) {
-            const __m512 m = _mm512_loadu_ps((const float *)(blk + 64));
+            const __m512 m = qp_scales(blk + SC, half);
             for (int j = 0; j < mb; j++)
                 off[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.offset_in[j * nblk + b]), off[j]);
         }
@@ -1629,14 +1693,15 @@ static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bi
         const uint8_t *wp = w + p * panel_bytes;
         for (int64_t m = 0; m < M;) {
             const int mb = qp_chunk(M, m);
-            const q_input in = q_input_from(all, fmt, m, K);
+            const q_input in = q_input_from(all, fmt & SD_W_GGUF, m, K);
 #define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
-            if (fmt == SD_W_Q4) {
-                QP_ROWS_SWITCH(SD_W_Q4)
-            } else if (fmt == SD_W_Q8) {
-                QP_ROWS_SWITCH(SD_W_Q8)
-            } else {
-                QP_ROWS_SWITCH(SD_W_Q8H)
+            switch (fmt) { /* constant formats: each its own unrolled tile */
+                case SD_W_Q4: QP_ROWS_SWITCH(SD_W_Q4) break;
+                case SD_W_Q4 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q4 | SD_W_HALF) break;
+                case SD_W_Q8: QP_ROWS_SWITCH(SD_W_Q8) break;
+                case SD_W_Q8 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_HALF) break;
+                case SD_W_Q8H: QP_ROWS_SWITCH(SD_W_Q8H) break;
+                default: QP_ROWS_SWITCH(SD_W_Q8H | SD_W_HALF) break;
             }
 #undef QP_CALL
             m += mb;
@@ -1648,7 +1713,7 @@ static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bi
 static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                       int64_t K, float *scratch) {
     const q_input in = q_input_at(scratch, M, K);
-    q_quantize_input(x, M, K, fmt, in);
+    q_quantize_input(x, M, K, fmt & SD_W_GGUF, in);
     linear_qp_for(in, w, fmt, bias, y, M, N, K);
 }
 #else

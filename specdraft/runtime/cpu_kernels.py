@@ -34,6 +34,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -153,8 +154,8 @@ class LayerPointers(ctypes.Structure):
 
 
 # Weight layouts of cpu_kernels.c (SD_W_*): bf16 or int8 rows, GGUF-native blocks (gguf_native.py packs them),
-# bf16 panels (`panels`); QPANELS | a GGUF layout: its panels (`q_panels`).
-DENSE, Q4, Q8, Q8H, PANELS, QPANELS = 0, 1, 2, 3, 4, 8
+# bf16 panels (`panels`); QPANELS | a GGUF layout (| HALF: scales as fp16): its panels (`q_panels`).
+DENSE, Q4, Q8, Q8H, PANELS, QPANELS, HALF = 0, 1, 2, 3, 4, 8, 16
 
 
 class ModelShape(ctypes.Structure):
@@ -191,6 +192,7 @@ _SIGNATURES = {
     "sd_q_panels": ([], ctypes.c_int),
     "sd_qp_panel_bytes": ([ctypes.c_int, _I], _I),
     "sd_q_to_panels": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
+    "sd_q_half_exact": ([_P, ctypes.c_int, _I, _I], ctypes.c_int),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
@@ -275,10 +277,11 @@ def dense_panels() -> bool:
 
 # (id(tensor), what) -> (weakref to the tensor, its version, its data pointer, the layout made from it); an
 # entry leaves with its tensor.
-_layouts: dict[tuple[int, str], tuple[weakref.ref, int | None, int, torch.Tensor]] = {}
+_Layout = TypeVar("_Layout")
+_layouts: dict[tuple[int, str], tuple[weakref.ref, int | None, int, Any]] = {}
 
 
-def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], _Layout]) -> _Layout:
     """make() (a rearrangement of `tensor` for the kernels), made once and kept while the tensor lives; made
     again when the tensor is changed in place (its version counter moves) or its storage is replaced."""
     try:
@@ -318,19 +321,24 @@ def q_panels_active() -> bool:
     return bool(_lib.sd_q_panels())
 
 
-def q_panels(packed: torch.Tensor, fmt: int, in_features: int) -> torch.Tensor:
+def q_panels(packed: torch.Tensor, fmt: int, in_features: int, half_scales: bool = True
+             ) -> tuple[torch.Tensor, int]:
     """GGUF-native rows (uint8 [N, row bytes] in layout `fmt`) as the kernels' panels of 16 outputs, uint8
-    [ceil(N / 16), panel bytes] (cpu_kernels.c: the same integers and scales, rearranged); kept with `packed`."""
+    [ceil(N / 16), panel bytes] (cpu_kernels.c: the same integers and scales, rearranged), and their layout:
+    `fmt | HALF` where every scale is an fp16 value (the same weights in fewer bytes; half_scales=False keeps
+    them fp32), else `fmt`. Kept with `packed`."""
 
-    def make() -> torch.Tensor:
-        npanels = -(-packed.shape[0] // 16)
-        out = torch.empty(npanels, _lib.sd_qp_panel_bytes(fmt, in_features), dtype=torch.uint8)
+    def make() -> tuple[torch.Tensor, int]:
         rows = packed.contiguous()
-        _lib.sd_q_to_panels(rows.data_ptr(), fmt, rows.shape[0], in_features, out.data_ptr(),
+        half = half_scales and _lib.sd_q_half_exact(rows.data_ptr(), fmt, rows.shape[0], in_features)
+        layout = fmt | HALF if half else fmt
+        npanels = -(-packed.shape[0] // 16)
+        out = torch.empty(npanels, _lib.sd_qp_panel_bytes(layout, in_features), dtype=torch.uint8)
+        _lib.sd_q_to_panels(rows.data_ptr(), layout, rows.shape[0], in_features, out.data_ptr(),
                             torch.get_num_threads())
-        return out
+        return out, layout
 
-    return _layout_of(packed, f"q{fmt}", make)
+    return _layout_of(packed, f"q{fmt}{'h' if half_scales else ''}", make)
 
 
 def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -347,17 +355,19 @@ def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias:
 
 
 def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None, out_features: int,
-             threads: int) -> torch.Tensor:
+             threads: int, half_scales: bool = True) -> torch.Tensor:
     """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`)^T + bias, bf16 out:
     the file's exact weights, activations as int8 (Q4 layouts) or 16-bit integers per block (see
-    cpu_kernels.c); each row's bits independent of M."""
+    cpu_kernels.c); each row's bits independent of M, and of `half_scales` (panels holding fp16 scales where
+    they are exact: `q_panels`)."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
     scratch = torch.empty(_lib.sd_q_scratch_floats(M, K), dtype=torch.float32)
     if q_panels_active():
-        _lib.sd_linear_qp(x.data_ptr(), q_panels(packed, fmt, K).data_ptr(), fmt, _ptr(bias), y.data_ptr(), M,
-                          out_features, K, scratch.data_ptr(), threads)
+        weights, layout = q_panels(packed, fmt, K, half_scales)
+        _lib.sd_linear_qp(x.data_ptr(), weights.data_ptr(), layout, _ptr(bias), y.data_ptr(), M, out_features, K,
+                          scratch.data_ptr(), threads)
     else:
         _lib.sd_linear_q(x.data_ptr(), packed.data_ptr(), fmt, _ptr(bias), y.data_ptr(), M, out_features, K,
                          scratch.data_ptr(), threads)

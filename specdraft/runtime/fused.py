@@ -148,8 +148,8 @@ def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
         return module.weight_int8, module.scales, cpu_kernels.DENSE
     if isinstance(module, GGUFLinear) and module.packed.is_contiguous():
         if cpu_kernels.q_panels_active():
-            return cpu_kernels.q_panels(module.packed, module.fmt, module.in_features), None, \
-                module.fmt | cpu_kernels.QPANELS
+            weights, layout = cpu_kernels.q_panels(module.packed, module.fmt, module.in_features)
+            return weights, None, layout | cpu_kernels.QPANELS
         return module.packed, None, module.fmt
     return None
 
