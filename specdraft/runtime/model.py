@@ -516,22 +516,23 @@ def attention_masks(config: ModelConfig, starts: list[int], positions: torch.Ten
     device = positions.device
     key_idx = torch.arange(key_len, device=device)
     start_t = torch.tensor(starts, device=device)[:, None]                      # [B, 1]
-    committed = key_idx[None, :] < start_t                                     # [B, L]
-    if tree_mask is None:
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    tree_mask = tree_mask.expand(B, T, T)
-    visible = committed[:, None, :].expand(B, T, key_len).clone()
+    rel = key_idx[None, :] - start_t                                            # [B, L]: key - block start
+    committed = rel < 0                                                         # [B, L]
+    visible = committed[:, None, :].expand(B, T, key_len)
     if branch_mask is not None:  # committed tree nodes: visible to their descendants only
         m = branch_mask.shape[-1]
-        branch_rel = key_idx[None, :] - (start_t - m)                           # [B, L]
+        branch_rel = rel + m                                                    # [B, L]
         in_branch = ((branch_rel >= 0) & (branch_rel < m))[:, None, :]
         branch_vis = torch.gather(branch_mask.to(device), 2,
                                   branch_rel.clamp(0, m - 1)[:, None, :].expand(B, T, key_len))
-        visible &= ~in_branch | branch_vis
-    rel = key_idx[None, :] - start_t                                            # [B, L]
+        visible = visible & (~in_branch | branch_vis)
     in_block = (rel >= 0) & (rel < T)
-    block_vis = torch.gather(tree_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))
-    visible |= in_block[:, None, :] & block_vis
+    if tree_mask is None:  # causal: new token i sees new keys 0..i
+        block_vis = (rel >= 0)[:, None, :] & (rel[:, None, :] <= torch.arange(T, device=device)[None, :, None])
+    else:
+        block_vis = in_block[:, None, :] & torch.gather(tree_mask.expand(B, T, T), 2,
+                                                        rel.clamp(0, T - 1)[:, None, :].expand(B, T, key_len))
+    visible = visible | block_vis
     out = {"full": _additive(visible)}
     if "sliding" in config.layer_types:
         key_pos = torch.where(committed, key_idx[None, :], torch.zeros_like(key_idx)[None, :])
@@ -545,5 +546,4 @@ def attention_masks(config: ModelConfig, starts: list[int], positions: torch.Ten
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
     """[B, T, L] bool -> additive fp32 [B, 1, T, 1, L], broadcasting over KV heads and the query group."""
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-    return mask.masked_fill_(~visible, float("-inf"))[:, None, :, None]
+    return torch.where(visible, 0.0, float("-inf"))[:, None, :, None]

@@ -72,7 +72,8 @@ def verify_batch(
             if lengths[b]:
                 padded[i, :lengths[b]] = torch.tensor(draft_tokens[b], dtype=torch.long)
         # Padding (-1) never equals an argmax, so each row's run of matches stops at its own length.
-        run, argmax = greedy_verify(padded, target_logits[greedy_rows, :width + 1])
+        rows = target_logits[:, :width + 1] if len(greedy_rows) == batch else target_logits[greedy_rows, :width + 1]
+        run, argmax = greedy_verify(padded, rows)
         for i, b in enumerate(greedy_rows):
             n = int(run[i])
             accepted[b], emitted[b] = list(range(n)), argmax[i, :n + 1].tolist()
