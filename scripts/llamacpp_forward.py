@@ -75,7 +75,7 @@ def main() -> None:
         print(f"decode after {length} tokens: ours {ours * 1e3:.2f} ms/token (layers {layers_s[0] / 64 * 1e3:.2f}, "
               f"head and the rest {(ours - layers_s[0] / 64) * 1e3:.2f}), llama.cpp {theirs * 1e3:.2f}", flush=True)
     head = model.lm_head
-    head_bytes = head.packed.numel() * head.packed.element_size()
+    head_bytes = head.kernel_layout()[0]
     print(f"head: {head_bytes / 1e6:.0f} MB ({type(head).__name__}), read once a decoded token")
 
 

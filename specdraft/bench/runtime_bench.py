@@ -170,18 +170,21 @@ def build_runtime_results(header: dict, config: dict, bandwidth: dict, weights: 
 
 
 def native_kernel_rates(model, bandwidth_gb_s: float, repeats: int = 30) -> dict:
-    """Per GGUF-native layout: one decoding row (M = 1) through the model's largest layer of that layout,
-    median time, the bytes it reads and the fraction of the machine's bandwidth that reaches."""
+    """Per GGUF-native layout the kernels read (`GGUFLinear.kernel_layout`: q4, q8, q8h, each with fp32 or
+    fp16 scales): one decoding row (M = 1) through the model's largest layer of that layout, median time, the
+    bytes it reads and the fraction of the machine's bandwidth that reaches."""
+    from specdraft.runtime import cpu_kernels
     from specdraft.runtime.gguf_native import FORMAT_NAMES, GGUFLinear
 
-    largest: dict[int, tuple[str, GGUFLinear]] = {}
+    largest: dict[int, tuple[str, GGUFLinear, int]] = {}
     for name, module in model.named_modules():
         if isinstance(module, GGUFLinear):
-            best = largest.get(module.fmt)
-            if best is None or module.packed.numel() > best[1].packed.numel():
-                largest[module.fmt] = (name, module)
+            nbytes, layout = module.kernel_layout()
+            best = largest.get(layout)
+            if best is None or nbytes > best[2]:
+                largest[layout] = (name, module, nbytes)
     rates = {}
-    for fmt, (name, layer) in sorted(largest.items()):
+    for layout, (name, layer, nbytes) in sorted(largest.items()):
         x = torch.randn(1, layer.in_features).to(torch.bfloat16)
         for _ in range(3):
             layer(x)
@@ -191,8 +194,8 @@ def native_kernel_rates(model, bandwidth_gb_s: float, repeats: int = 30) -> dict
             layer(x)
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
-        nbytes = layer.packed.numel()
-        rates[FORMAT_NAMES[fmt]] = {
+        half = " fp16 scales" if layout & cpu_kernels.HALF else ""
+        rates[FORMAT_NAMES[layout & ~cpu_kernels.HALF] + half] = {
             "layer": name, "shape": [layer.out_features, layer.in_features], "bytes": nbytes,
             "ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9,
             "x_of_floor": seconds / (nbytes / (bandwidth_gb_s * 1e9)),

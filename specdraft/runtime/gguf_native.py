@@ -226,6 +226,14 @@ class GGUFLinear(nn.Module):
         training a head on the target's LM head rows)."""
         return self.dequantize().to(torch.bfloat16)
 
+    def kernel_layout(self) -> tuple[int, int]:
+        """(bytes, layout) the kernels read for one decoded token: the panels where they multiply those
+        (`cpu_kernels.q_panels`: fp16 scales where exact, so fewer bytes than the rows), else the rows."""
+        if cpu_kernels.available() and cpu_kernels.q_panels_active():
+            panels, layout = cpu_kernels.q_panels(self.packed, self.fmt, self.in_features)
+            return panels.numel(), layout
+        return self.packed.numel(), self.fmt
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={FORMAT_NAMES[self.fmt]}"
 
@@ -373,21 +381,22 @@ def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict)
 
 
 def read_per_token(model: nn.Module) -> tuple[int, int]:
-    """(bytes, weights) one decoded token reads from a native model: packed tensors once each (a tied head
-    shares the embedding's), dense parameters at their size, the embedding lookup counted as nothing."""
+    """(bytes, weights) one decoded token reads from a native model: each packed tensor once (a tied head
+    shares the embedding's) in the layout the kernels read (`GGUFLinear.kernel_layout`), dense parameters
+    at their size, the embedding lookup counted as nothing."""
     seen: set[int] = set()
     nbytes = weights = 0
     for module in model.modules():
         if isinstance(module, GGUFEmbedding):
             continue
         if isinstance(module, GGUFLinear):
-            tensors = [(module.packed, module.in_features * module.out_features)]
+            tensors = [(module.packed, module.kernel_layout()[0], module.in_features * module.out_features)]
         else:
-            tensors = [(t, t.numel()) for t in module.parameters(recurse=False)]
-        for t, count in tensors:
+            tensors = [(t, t.numel() * t.element_size(), t.numel()) for t in module.parameters(recurse=False)]
+        for t, size, count in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                nbytes += t.numel() * t.element_size()
+                nbytes += size
                 weights += count
     return nbytes, weights
 
