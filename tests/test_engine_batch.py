@@ -65,6 +65,69 @@ def test_requests_give_the_same_tokens_alone_and_in_one_batch(drafter):
 
 
 @needs_kernels
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_prompts_reuse_the_cache_entries_of_a_shared_start_and_decode_the_same_tokens(drafter):
+    """A prompt that starts like an earlier one (a system prompt, the previous turn of a conversation) copies
+    those cache entries, from another request's slot or from its own slot's last request, instead of
+    computing them again. Each request still gets exactly its tokens on a fresh engine, greedy or sampled
+    from its seed, and its slot then holds the very cache entries (keys and values of every layer) that a
+    fresh engine's prefill and decoding write."""
+    target = kernel_model("gemma3", seed=8)  # sliding-window layers too
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(0, KERNEL_VOCAB, (20,), generator=g).tolist()
+    prompts = [system + torch.randint(0, KERNEL_VOCAB, (n,), generator=g).tolist() for n in (5, 40, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, max_tokens=10, seed=1),
+              SamplingParams(temperature=0.8, top_k=5, max_tokens=9, seed=2)]
+
+    def fresh() -> Engine:
+        return Engine(target, tokenizer, NgramDrafter() if drafter == "ngram" else None, 3 if drafter == "ngram"
+                      else 0, FIXED, max_model_len=256, max_batch=2)
+
+    def entries(engine: Engine, slot: int, n: int) -> list[torch.Tensor]:
+        return [c[slot, :, :n].clone() for c in (*engine.cache.k, *engine.cache.v)]
+
+    def alone(prompt: list[int], p: SamplingParams):
+        engine = fresh()
+        request = engine.add_request(prompt, p)
+        while not request.finished:
+            engine.step([request])
+        n = len(prompt) + len(request.result.token_ids) - 1  # the cache holds all but the last token
+        return request.result, entries(engine, request.slot, n)
+
+    engine = fresh()
+    first = engine.add_request(prompts[0], params[0])
+    engine.step([first])  # its prompt is in slot 0 now
+    second = engine.add_request(prompts[1], params[1])  # slot 1: copies the system prompt from slot 0
+    running = [first, second]
+    while running:
+        engine.step(running)
+        done = [r for r in running if r.finished]
+        for r in done:
+            expected, expected_entries = alone(r.prompt_ids, r.params)
+            assert r.result.token_ids == expected.token_ids
+            n = len(r.prompt_ids) + len(r.result.token_ids) - 1
+            assert all(torch.equal(a, b) for a, b in zip(entries(engine, r.slot, n), expected_entries))
+        running = [r for r in running if not r.finished]
+    third = engine.add_request(prompts[2], params[2])  # a freed slot: its last request's entries start alike
+    while not third.finished:
+        engine.step([third])
+    expected, expected_entries = alone(prompts[2], params[2])
+    assert third.result.token_ids == expected.token_ids
+    n = len(prompts[2]) + len(third.result.token_ids) - 1
+    assert all(torch.equal(a, b) for a, b in zip(entries(engine, third.slot, n), expected_entries))
+    cached = [r.metrics.prompt_tokens_cached for r in (first, second, third)]
+    assert cached[0] == 0 and min(cached[1:]) >= len(system), cached  # the first one had nothing to copy
+    # A conversation's next turn: its prompt starts with the last turn's prompt and answer, all of it reused.
+    turn = prompts[2] + third.result.token_ids + prompts[1][-6:]
+    result = engine.generate(turn, params[0])
+    assert result.token_ids == alone(turn, params[0])[0].token_ids
+    assert result.metrics.prompt_tokens_cached == len(prompts[2]) + len(third.result.token_ids) - 1
+    again = engine.generate(turn, params[0])  # all of it cached: its last token is still computed, for its logits
+    assert again.token_ids == result.token_ids and again.metrics.prompt_tokens_cached == len(turn) - 1
+
+
+@needs_kernels
 def test_continuous_batching_admits_requests_as_slots_free():
     """Three slots, eight requests: they all finish, in input order, identical to running alone."""
     target = kernel_model("qwen")

@@ -22,7 +22,10 @@ measured tokens per second (`TreeShapeChooser`). A tree has at most MAX_TREE_NOD
 stays within the fused kernels' row-invariant size.
 
 Row invariance of the runtime (a token's logits do not depend on the block or batch it is scored in, bit for
-bit in bf16 on the fused CPU path) makes a request's greedy output the same alone or beside others.
+bit in bf16 on the fused CPU path) makes a request's greedy output the same alone or beside others. It also
+makes cache entries reusable: a prompt that starts like one a slot still holds (a system prompt, the earlier
+turns of a conversation) copies those entries instead of computing them (`_reuse_prefix`), with the same
+output token for token.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ MAX_DRAFT_TOKENS = 64
 # Nodes of a token tree: with the pending token a tree is one block of at most SMALL_BATCH_ROWS tokens, the
 # size up to which the fused kernels give every row the bits it gets alone (greedy stays bit-identical).
 MAX_TREE_NODES = SMALL_BATCH_ROWS - 1
+
+# A prompt copies the cache entries of an earlier prompt's start it shares (`Engine._reuse_prefix`) from this
+# many tokens on: below it the copy's fixed cost is about what computing them costs.
+MIN_REUSED_PREFIX = 8
 
 
 @dataclass
@@ -152,6 +159,9 @@ class Engine:
         # Room past any request's own limit for the padding of a batched verification block.
         self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
         self._free_slots = list(range(max_batch - 1, -1, -1))
+        # Slot -> the tokens whose cache entries the slot still holds intact (its request's prompt, then its
+        # whole context once it finished), for later prompts that start with them (`_reuse_prefix`).
+        self._cached_tokens: dict[int, list[int]] = {}
         self._next_id = 0
         self.totals = SpecMetrics()
 
@@ -201,6 +211,8 @@ class Engine:
             request.drafting = False
         if request.holds_slot:
             request.holds_slot = False
+            if request.prefilled and request.slot in self._cached_tokens:  # its entries stay until overwritten
+                self._cached_tokens[request.slot] = request.context[:self.cache.length(request.slot)]
             self.cache.reset(request.slot)
             self._free_slots.append(request.slot)
 
@@ -278,9 +290,17 @@ class Engine:
         hidden_layers = self.drafter.hidden_layers if self.drafter is not None else ()
         length = len(requests[0].prompt_ids)
         t0 = time.perf_counter()
-        logits, final, captured, capture = self._score([r.prompt_ids for r in requests], requests, length - 1,
-                                                       hidden_layers)
+        reused = self._reuse_prefix(requests[0]) if len(requests) == 1 else 0
+        logits, final, captured, capture = self._score([r.prompt_ids[reused:] for r in requests], requests,
+                                                       length - reused - 1, hidden_layers)
         prefill_time = time.perf_counter() - t0
+        exact = self.target.reuses_cache_entries(self.cache, length)
+        for r in requests:
+            r.metrics.prompt_tokens_cached = reused
+            if exact:
+                self._cached_tokens[r.slot] = r.prompt_ids
+            else:
+                self._cached_tokens.pop(r.slot, None)
         chunks = {}
         firsts, _ = sample_rows(logits[:, -1], [r.params for r in requests], [r.generator for r in requests])
         for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
@@ -299,6 +319,29 @@ class Engine:
                 r.metrics.draft_time += time.perf_counter() - t
             chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
         return chunks
+
+    def _reuse_prefix(self, r: Request) -> int:
+        """Put in r's slot the longest start of its prompt whose cache entries a slot still holds (a shared
+        system prompt, the earlier turns of a conversation), copied unless they are already there; returns
+        its length (0: none). Only where those entries are the bits r's own prefill would write
+        (`reuses_cache_entries`: the output stays the same token for token) and the drafter reads no target
+        features of the prompt; the last prompt token is always computed, for its logits."""
+        prompt = r.prompt_ids
+        if ((self.drafter is not None and self.drafter.hidden_layers)
+                or not self.target.reuses_cache_entries(self.cache, len(prompt))):
+            return 0
+        best, source = 0, r.slot
+        for slot, tokens in self._cached_tokens.items():
+            n = _common_prefix(tokens, prompt, len(prompt) - 1)
+            if n > best or (n == best and slot == r.slot):
+                best, source = n, slot
+        if best < MIN_REUSED_PREFIX:
+            return 0
+        if source == r.slot:
+            self.cache.commit(r.slot, best)
+        else:
+            self.cache.copy_prefix(source, r.slot, best)
+        return best
 
     def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
@@ -454,6 +497,16 @@ def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],
             positions[b, :n] = starts[b] + torch.tensor([0] + p.depths)
             mask[b, :n, :n] = tree_attention_mask(p.parents)
     return positions, mask
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common start of a and b, at most `limit`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n == limit:
+            break
+        n += 1
+    return n
 
 
 def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:

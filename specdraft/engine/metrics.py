@@ -51,6 +51,7 @@ def per_position_rates(accepted_per_position: Sequence[int],
 @dataclass
 class SpecMetrics:
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # prompt tokens whose cache entries were copied from an earlier prompt
     generated_tokens: int = 0
     target_forwards: int = 0  # decode/verify forwards of the target (prefill excluded)
     produced_tokens: int = 0  # tokens those forwards produced (accepted + 1 each), before stop truncation
@@ -113,9 +114,9 @@ class SpecMetrics:
     def merge(self, other: SpecMetrics) -> SpecMetrics:
         """Cumulative metrics over several requests."""
         out = copy.copy(self)  # field by field: asdict's deep copy cost more than the rest of a short request
-        for name in ("prompt_tokens", "generated_tokens", "target_forwards", "produced_tokens", "drafted",
-                     "accepted", "draft_nodes", "tree_rounds", "speculative_rounds", "fallback_rounds",
-                     "fallback_events", "prefill_time", "draft_time", "verify_time", "total_time"):
+        for name in ("prompt_tokens", "prompt_tokens_cached", "generated_tokens", "target_forwards",
+                     "produced_tokens", "drafted", "accepted", "draft_nodes", "tree_rounds", "speculative_rounds",
+                     "fallback_rounds", "fallback_events", "prefill_time", "draft_time", "verify_time", "total_time"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.drafted_per_position = add_positions([self.drafted_per_position, other.drafted_per_position])
         out.accepted_per_position = add_positions([self.accepted_per_position, other.accepted_per_position])

@@ -99,6 +99,11 @@ class HFTarget:
     def device(self) -> torch.device:
         return self.model.device
 
+    def reuses_cache_entries(self, cache: HFCache, prompt_tokens: int) -> bool:
+        """False: transformers' entries depend on how a sequence was batched, so none are copied between
+        prompts (see `Transformer.reuses_cache_entries`)."""
+        return False
+
     def new_cache(self, max_len: int, num_slots: int = 1) -> HFCache:
         return HFCache(max_len, num_slots)
 

@@ -117,6 +117,14 @@ class KVCache(SlotLengths):
             words = keys[slot, :, start:end].contiguous().view(torch.int32)        # [kv_heads, n, head_dim / 2]
             panels[slot][:, blocks, :, lanes] = words.transpose(0, 1)              # indexed: [n, kv_heads, words]
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy the entries at positions [0, length) of slot `src` (committed or left behind by a finished
+        request: the caller knows which are intact) into slot `dst`, and commit them there."""
+        for cache in (*self.k, *self.v):
+            cache[dst, :, :length] = cache[src, :, :length]
+        self.sync_key_panels(dst, 0, length)
+        self.commit(dst, length)
+
     def compact(self, slot: int, src_offsets: Sequence[int]) -> None:
         """Move uncommitted entries at committed+src_offsets[i] to committed+i (accepting a token-tree path),
         then commit them."""

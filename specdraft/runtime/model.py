@@ -433,6 +433,13 @@ class Transformer(nn.Module):
                                  padded(captured[:, :, 0]) if captured is not None else None)
         return padded(logits)
 
+    def reuses_cache_entries(self, cache: KVCache, prompt_tokens: int) -> bool:
+        """Whether the cache entries a prompt of this length writes, and those of every token decoded after it,
+        are the bits any forward over the same tokens writes: on the fused kernels (row invariance), with the
+        prompt run in their chunks (not a GEMM). Then a later prompt that starts with the same tokens may copy
+        them instead of computing them again."""
+        return prompt_tokens <= CHUNKED_PREFILL_TOKENS and self.fused.applies(self, 1, cache)
+
     def forward_sequence(self, tokens: torch.Tensor, capture_layers: Sequence[int] = ()) -> ForwardOutput:
         """Cache-free forward over whole sequences [B, T] from position 0, usable with autograd (no inference
         mode, no cache writes): training drafters on the target's features needs gradients through it. The

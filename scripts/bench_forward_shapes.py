@@ -1,0 +1,69 @@
+"""Forward ms of a model at a few block shapes (B sequences x T new tokens after 100 committed tokens each,
+median of 5 means of 16 forwards), optionally beside a process that takes a slice of a core. The figures
+behind stop 30's fp16 panel scales and guided panel loops: run it in two checkouts, alternately, to compare.
+
+    python scripts/bench_forward_shapes.py [--model smollm2-135m] [--dtype gguf] [--shapes 1x1,8x1,1x8]
+        [--busy 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from specdraft.runtime.loader import load_model
+
+# A process that spins for `busy` of every 5 ms and sleeps the rest.
+SPINNER = """
+import sys, time
+busy = float(sys.argv[1]) * 0.005
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(0.005 - busy)
+"""
+
+
+def forward_ms(model, batch: int, tokens: int, generator: torch.Generator) -> float:
+    cache = model.new_cache(400, num_slots=batch)
+    model.forward(torch.randint(1000, 30000, (batch, 100), generator=generator), cache, logits_from=99)
+    for slot in range(batch):
+        cache.commit(slot, 100)
+    block = torch.randint(1000, 30000, (batch, tokens), generator=generator)
+    means = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(16):
+            model.forward(block, cache)
+        means.append((time.perf_counter() - start) / 16 * 1e3)
+    return statistics.median(means)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="gguf")
+    parser.add_argument("--shapes", default="1x1,8x1,1x8,1x32", help="BxT, comma-separated")
+    parser.add_argument("--busy", type=float, default=0.0, help="fraction of a core another process spins")
+    args = parser.parse_args()
+    model = load_model(args.model, dtype=args.dtype, progress=False)
+    spinner = subprocess.Popen([sys.executable, "-c", SPINNER, str(args.busy)]) if args.busy > 0 else None
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for shape in args.shapes.split(","):
+            batch, tokens = (int(n) for n in shape.split("x"))
+            ms = forward_ms(model, batch, tokens, generator)
+            print(f"{args.model} {args.dtype} B={batch} T={tokens}: {ms:.2f} ms", flush=True)
+    finally:
+        if spinner is not None:
+            spinner.terminate()
+
+
+if __name__ == "__main__":
+    main()
