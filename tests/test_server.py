@@ -150,7 +150,7 @@ def stream_chat(url: str, content: str, max_tokens: int) -> tuple[str, str | Non
 
 
 def test_openai_client_chat_and_completions_stream_or_not_match_the_engine_alone(server, target, tokenizer):
-    url, _ = server
+    url, engine = server
     oa = client(url)
     assert [m.id for m in oa.models.list().data] == [NAME]
     expected_chat = reference(target, tokenizer, tokenizer.encode("abcabcabc|"), 24)
@@ -174,6 +174,10 @@ def test_openai_client_chat_and_completions_stream_or_not_match_the_engine_alone
             finish = choice.finish_reason or finish
     assert "".join(pieces) == chat.choices[0].message.content and finish == "length"
     assert len(usages) == 1 and usages[0]["completion_tokens"] == 24 and "acceptance_rate" in usages[0]
+    # The same prompt again: its cache entries are still in a slot, all but the last token's reused (usage says
+    # so as OpenAI's prompt caching does), with the same text.
+    reused = engine.target.reuses_cache_entries(engine.cache, 10)  # the fused kernels (a compiler) are here
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == (9 if reused else 0)
 
     expected = reference(target, tokenizer, tokenizer.encode("hello"), 12)
     done = oa.completions.create(model=NAME, prompt="hello", max_tokens=12, temperature=0)
@@ -356,7 +360,7 @@ def test_health_is_503_until_the_model_is_loaded(target, tokenizer):
 
 
 def test_metrics_use_vllm_names_with_a_specdraft_prefix(server):
-    url, _ = server
+    url, engine = server
     assert chat_text(url, "abcabcabcabc", 30).status_code == 200
     for name in ["specdraft:spec_decode_num_drafts_total", "specdraft:spec_decode_num_draft_tokens_total",
                  "specdraft:spec_decode_num_accepted_tokens_total", "specdraft:num_requests_running",
@@ -366,6 +370,11 @@ def test_metrics_use_vllm_names_with_a_specdraft_prefix(server):
                  "specdraft:e2e_request_latency_seconds_count"]:
         metric(url, name)
     assert metric(url, "specdraft:spec_decode_num_drafts_total") > 0
+    queries = metric(url, "specdraft:prefix_cache_queries_total")
+    assert chat_text(url, "abcabcabcabc", 30).status_code == 200  # the same prompt: all but its last token cached
+    assert metric(url, "specdraft:prefix_cache_queries_total") == queries + 13
+    reused = engine.target.reuses_cache_entries(engine.cache, 13)  # the fused kernels (a compiler) are here
+    assert metric(url, "specdraft:prefix_cache_hits_total") >= (12 if reused else 0)
     accepted = metric(url, "specdraft:spec_decode_num_accepted_tokens_total")
     assert metric(url, "specdraft:spec_decode_num_accepted_tokens_per_pos_total") == accepted > 0
     assert 'position="0"' in httpx.get(url + "/metrics").text

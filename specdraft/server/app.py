@@ -371,12 +371,14 @@ class Reply:
         self.created = int(time.time())
 
     def usage(self, result: GenerationResult) -> dict[str, Any]:
-        """OpenAI's token counts, plus this request's speculation: acceptance rate (null when nothing was
-        drafted) and mean accepted length (tokens per target decode forward, bonus token included)."""
+        """OpenAI's token counts (the prompt's cached tokens: those whose cache entries were copied from an
+        earlier prompt), plus this request's speculation: acceptance rate (null when nothing was drafted) and
+        mean accepted length (tokens per target decode forward, bonus token included)."""
         m = result.metrics
         completion = len(result.token_ids)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": m.prompt_tokens_cached},
                 "acceptance_rate": acceptance_rate(m.accepted, m.drafted),
                 "mean_accepted_length": mean_accepted_length(m.produced_tokens, m.target_forwards)}
 

@@ -55,6 +55,12 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache slots in use / max_batch (1 = full).").labels(**labels)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(**labels)
+        # vLLM's prefix-cache pair, in tokens: prompt tokens of finished requests, and those of them whose cache
+        # entries were copied from an earlier prompt (the engine's prefix reuse).
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens of finished requests.").labels(**labels)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens of finished requests found in the "
+                                         "cache (copied, not computed).").labels(**labels)
         self._success = counter("request_success", "Requests finished, by finish reason.", ("finished_reason",))
         self.aborted = counter("request_aborted", "Requests cancelled by a client disconnect or shutdown.").labels(
             **labels)
@@ -76,6 +82,11 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(slots_in_use / max_batch)
+
+    def prompt_cache(self, metrics: SpecMetrics) -> None:
+        """A finished request's prompt: its tokens, and those whose cache entries were reused."""
+        self.prefix_cache_queries.inc(metrics.prompt_tokens)
+        self.prefix_cache_hits.inc(metrics.prompt_tokens_cached)
 
     def finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()

@@ -198,6 +198,7 @@ class EngineWorker:
                 del self._running[chunk.request_id]
                 ticket.done = True
                 self.metrics.finished(chunk.result.finish_reason)
+                self.metrics.prompt_cache(chunk.result.metrics)
                 self.metrics.e2e.observe(now - ticket.arrived)
             if chunk.text or chunk.token_ids or chunk.result is not None:
                 sends.append((ticket, Event("chunk", text=chunk.text, token_ids=chunk.token_ids, result=chunk.result)))
