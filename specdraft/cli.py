@@ -116,6 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"prompt: {prompt}\n")
     spec = llm.chat(messages, params)[0]
     plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)
+    # The same warm-up as the speculative engine's: both then find the prompt in their cache (prefix reuse).
+    plain_engine.generate(spec.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=8))
     plain = plain_engine.generate(spec.prompt_token_ids, params)
     print(spec.text.strip(), "\n")
     print(f"speculative ({drafter}): {spec.metrics.summary()}")
