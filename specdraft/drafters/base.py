@@ -143,3 +143,13 @@ class Drafter(Protocol):
 
     def remove_request(self, request_id: int) -> None:
         """Forget the request and free what it held."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common start of two token sequences (a cache to rewind, a prompt's cached start)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdraft.drafters.base import DraftRequest, Proposal, Verified
+from specdraft.drafters.base import DraftRequest, Proposal, Verified, common_prefix
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.runtime.tokenizer import StreamDecoder, Tokenizer
 from specdraft.verify.sampling import SamplingParams
@@ -166,15 +166,6 @@ def word_boundary(text: str) -> int:
     while end > 0 and text[end - 1].isspace():
         end -= 1
     return end
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def continuation_text(tokenizer: Tokenizer, window: Sequence[int], tokens: Sequence[int]) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
+from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified, common_prefix
 from specdraft.engine.adaptive import (
     AdaptiveConfig,
     BatchDepthChooser,
@@ -290,11 +290,11 @@ class Engine:
         hidden_layers = self.drafter.hidden_layers if self.drafter is not None else ()
         length = len(requests[0].prompt_ids)
         t0 = time.perf_counter()
-        reused = self._reuse_prefix(requests[0]) if len(requests) == 1 else 0
+        exact = self.target.reuses_cache_entries(self.cache, length)
+        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 else 0
         logits, final, captured, capture = self._score([r.prompt_ids[reused:] for r in requests], requests,
                                                        length - reused - 1, hidden_layers)
         prefill_time = time.perf_counter() - t0
-        exact = self.target.reuses_cache_entries(self.cache, length)
         for r in requests:
             r.metrics.prompt_tokens_cached = reused
             if exact:
@@ -323,16 +323,15 @@ class Engine:
     def _reuse_prefix(self, r: Request) -> int:
         """Put in r's slot the longest start of its prompt whose cache entries a slot still holds (a shared
         system prompt, the earlier turns of a conversation), copied unless they are already there; returns
-        its length (0: none). Only where those entries are the bits r's own prefill would write
-        (`reuses_cache_entries`: the output stays the same token for token) and the drafter reads no target
-        features of the prompt; the last prompt token is always computed, for its logits."""
+        its length (0: none). Called only where those entries are the bits r's own prefill would write
+        (`reuses_cache_entries`: the output stays the same token for token); nothing is reused for a drafter
+        that reads target features of the prompt. The last prompt token is always computed, for its logits."""
         prompt = r.prompt_ids
-        if ((self.drafter is not None and self.drafter.hidden_layers)
-                or not self.target.reuses_cache_entries(self.cache, len(prompt))):
+        if self.drafter is not None and self.drafter.hidden_layers:
             return 0
         best, source = 0, r.slot
         for slot, tokens in self._cached_tokens.items():
-            n = _common_prefix(tokens, prompt, len(prompt) - 1)
+            n = min(common_prefix(tokens, prompt), len(prompt) - 1)
             if n > best or (n == best and slot == r.slot):
                 best, source = n, slot
         if best < MIN_REUSED_PREFIX:
@@ -497,16 +496,6 @@ def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],
             positions[b, :n] = starts[b] + torch.tensor([0] + p.depths)
             mask[b, :n, :n] = tree_attention_mask(p.parents)
     return positions, mask
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common start of a and b, at most `limit`."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y or n == limit:
-            break
-        n += 1
-    return n
 
 
 def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
