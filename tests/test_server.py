@@ -416,6 +416,36 @@ def test_a_non_streaming_client_that_gives_up_frees_its_slot(target, tokenizer):
         assert engine.free_slots == 1 and metric(url, "specdraft:request_aborted_total") == 1
 
 
+def test_only_streaming_tickets_get_an_event_per_round(target, tokenizer):
+    """A non-streaming request hears from the engine thread twice (accepted, result): every event wakes the
+    event loop, which then competes with the engine thread for the GIL. A stream gets a chunk per round."""
+    import asyncio
+
+    from specdraft.server.metrics import ServerMetrics
+    from specdraft.server.worker import EngineWorker, Ticket
+
+    engine = make_engine(target, tokenizer, max_batch=2, drafter=False)
+    worker = EngineWorker(engine, tokenizer, ServerMetrics(NAME))
+
+    async def events(stream: bool) -> list:
+        ticket = Ticket(prompt="abc", chat=False, params=SamplingParams(temperature=0, max_tokens=12),
+                        loop=asyncio.get_running_loop(), stream=stream)
+        worker.submit(ticket)
+        received = [await ticket.events.get()]
+        while not received[-1].final:
+            received.append(await ticket.events.get())
+        return received
+
+    worker.start()
+    try:
+        quiet, streamed = asyncio.run(events(False)), asyncio.run(events(True))
+    finally:
+        worker.stop()
+    assert [e.kind for e in quiet] == ["accepted", "chunk"] and quiet[-1].result is not None
+    assert len(streamed) == 1 + 12  # accepted, then one chunk per token of plain decoding
+    assert "".join(e.text for e in streamed) == quiet[-1].result.text == streamed[-1].result.text
+
+
 def test_shutdown_ends_requests_in_flight_at_once(target, tokenizer):
     """Stopping the server ends a long stream with an error event and [DONE] (not a cut connection after the
     grace period) and a waiting non-streaming request with a 503; every slot is free afterwards."""
@@ -468,6 +498,12 @@ def test_bench_serve_client_measures_a_live_server(server):
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
+    # Not streamed (the server's cost against LLM.generate): the same tokens, no per-token timings.
+    quiet, _ = asyncio.run(_run_level(url, NAME, ["abc", "hello"], 1, 6, None, stream=False))
+    assert [r["tokens"] for r in quiet] == [6, 6] and all(r["ttft_s"] is None for r in quiet)
+    # A server that answers with an error is counted, not crashed on.
+    failed, _ = asyncio.run(_run_level(url, "no-such-model", ["abc"], 1, 6, None))
+    assert failed[0]["error"].startswith("HTTP 404")
     # bench-serve runs its clients in a worker process, out of the server's GIL
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -477,6 +513,15 @@ def test_bench_serve_client_measures_a_live_server(server):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         results, _ = pool.submit(_run_level_sync, url, NAME, ["abc"], 1, 4, None).result()
     assert [r["tokens"] for r in results] == [4]
+
+
+def test_bench_serve_rows_are_the_median_of_alternated_repeats():
+    from specdraft.bench.serve_bench import median_run
+
+    runs = [{"mode": "plain", "throughput_tok_s": v} for v in (300.0, 100.0, 200.0)]
+    assert median_run(runs) == {"mode": "plain", "throughput_tok_s": 200.0, "throughput_runs": [300.0, 100.0, 200.0]}
+    assert median_run(runs[:2])["throughput_tok_s"] == 100.0  # the slower middle run of an even count
+    assert median_run(runs[:1]) == runs[0]
 
 
 def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):

@@ -278,7 +278,7 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
     params = sampling_params(body, default_max_tokens=None)
     prompt = body.prompt() if chat else body.prompt_input()
     ticket = Ticket(prompt=prompt, chat=chat, params=params, loop=asyncio.get_running_loop(),
-                    max_tokens_default=body.token_budget() is None)
+                    max_tokens_default=body.token_budget() is None, stream=bool(body.stream))
     worker.submit(ticket)
     watch = DisconnectWatch(request)
     try:

@@ -57,6 +57,8 @@ class Event:
 class Ticket:
     """One HTTP request's generation. `prompt` is what the tokenizer takes (text, token ids or chat
     messages); `max_tokens_default` asks for the rest of the context as the budget (chat without max_tokens).
+    A ticket that does not `stream` gets no event per round, only the last one: each event wakes the event
+    loop, whose Python then holds the GIL the engine thread needs between its kernel calls.
     Fields below `events` belong to the engine thread."""
 
     prompt: Any
@@ -64,6 +66,7 @@ class Ticket:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     max_tokens_default: bool = False
+    stream: bool = True  # False: the handler wants only the result, not a chunk per round
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     prompt_ids: list[int] = field(default_factory=list)
@@ -200,7 +203,7 @@ class EngineWorker:
                 self.metrics.finished(chunk.result.finish_reason)
                 self.metrics.prompt_cache(chunk.result.metrics)
                 self.metrics.e2e.observe(now - ticket.arrived)
-            if chunk.text or chunk.token_ids or chunk.result is not None:
+            if chunk.result is not None or (ticket.stream and (chunk.text or chunk.token_ids)):
                 sends.append((ticket, Event("chunk", text=chunk.text, token_ids=chunk.token_ids, result=chunk.result)))
         self._send_all(sends)
 
