@@ -26,7 +26,9 @@ from specdraft.runtime.gguf_native import (
     GGUFLinear,
     dequantize,
     native_bytes,
+    native_matrices,
     repack,
+    resident_bytes,
     row_order,
 )
 from tests.test_cpu_kernels import (
@@ -220,6 +222,49 @@ def test_panels_hold_fp16_scales_where_exact_with_the_same_bits(qtype):
     assert not cpu_kernels.q_panels(torch.from_numpy(planted), fmt, 512)[1] & cpu_kernels.HALF
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_a_matrix_kept_as_panels_only_gives_back_its_rows_and_the_same_outputs(qtype):
+    """Native models keep each matrix as the kernels' panels alone, not rows beside them: rows rebuilt from
+    the panels are the bytes the panels were built from (all of them, or some: an embedding lookup), and
+    the layer's outputs keep their bits, decoding blocks and the prompt GEMM alike."""
+    if not cpu_kernels.q_panels_active():
+        pytest.skip("GGUF-native panels need AVX-512")
+    fmt, packed, _ = repack(raw_tensor(qtype, 37, 512, seed=7), qtype, 512)
+    rows = torch.from_numpy(packed)
+    index = torch.tensor([36, 0, 17, 17, 5])
+    for half in (True, False):
+        panels, layout = cpu_kernels.q_panels(rows, fmt, 512, half_scales=half)
+        assert torch.equal(cpu_kernels.q_rows_from_panels(panels, layout, 512, 37), rows)
+        assert torch.equal(cpu_kernels.q_rows_from_panels(panels, layout, 512, index), rows[index])
+    kept, slim = GGUFLinear(rows.clone(), fmt, 512, 37), GGUFLinear(rows.clone(), fmt, 512, 37)
+    slim.matrix.keep_panels_only()
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    for n in (1, 5, 40):  # 40 rows: the dequantized GEMM of a prompt
+        assert torch.equal(slim(x[:n]), kept(x[:n]))
+    panel_bytes = cpu_kernels.q_panels(rows, fmt, 512)[0].numel()
+    assert slim.matrix.resident_bytes == panel_bytes and kept.matrix.resident_bytes == rows.numel() + panel_bytes
+    assert torch.equal(slim.packed, rows) and torch.equal(slim.dequantize(), kept.dequantize())
+    table = GGUFEmbedding(slim.matrix, fmt, 37, 512)  # shared, as a tied head shares the embedding's
+    tokens = torch.tensor([[3, 36], [0, 3]])
+    assert torch.equal(table(tokens), GGUFEmbedding(rows, fmt, 37, 512)(tokens))
+    with pytest.raises(IndexError):
+        table(torch.tensor([37]))
+
+
+@needs_kernels
+def test_resident_bytes_count_the_weights_once_and_the_bf16_panels_beside_them():
+    model = kernel_model("llama")
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()
+    params = sum(t.numel() * t.element_size() for t in tensors)
+    assert resident_bytes(model) == params
+    model(torch.tensor([[1, 2, 3]]), model.new_cache(16))  # the fused forward lays out its weights
+    panels = sum(cpu_kernels.panels(m.weight).numel() * 2 for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and cpu_kernels.cached_layout(m.weight, "panels") is not None)
+    assert resident_bytes(model) == params + panels
+    assert panels > 0 or not cpu_kernels.dense_panels()
+
+
 def native_copy(model, types=(T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_0)):
     """The model with every linear layer and the embedding quantized by gguf-py and held natively (the
     layer types rotate through `types`); returns it and an fp32 model of the same (dequantized) weights."""
@@ -334,9 +379,11 @@ def test_smollm2_runs_natively_as_close_to_fp32_as_bf16(smollm2_native):
     fp32 = load_model("smollm2-135m", dtype="fp32", progress=False)
     assert native_bytes(smollm2_native) < 0.45 * sum(p.numel() * 2 for p in bf16.parameters())
     if cpu_kernels.q_panels_active():  # Q4_1 and Q8_0 scales are fp16: the panels read 5 / 8.5 bits a weight
-        rows = sum(m.packed.numel() for m in {id(m.packed): m for m in smollm2_native.modules()
-                                              if isinstance(m, GGUFLinear)}.values())
+        rows = sum(m.num_rows * cpu_kernels.q_row_bytes(m.fmt, m.in_features)
+                   for m in native_matrices(smollm2_native))
         assert native_bytes(smollm2_native) < 0.9 * rows
+    # Each matrix is held once, in the layout the kernels read (panels on AVX-512, else rows).
+    assert resident_bytes(smollm2_native) < 1.02 * native_bytes(smollm2_native)
     tokens = torch.tensor([[1, 504, 3458, 314, 253, 1345, 28, 346, 282, 1848, 288, 260, 4752, 30]])
     logits = {name: m(tokens, m.new_cache(64)).float() for name, m in
               (("native", smollm2_native), ("bf16", bf16), ("fp32", fp32))}

@@ -24,7 +24,9 @@ runtime.json schema (`schema_version` 1; null = not measured):
      "bandwidth": {"fp32_gb_s": float, "bf16_gb_s": float, "used_gb_s": float (the higher),
                    "tensor_bytes": int},
      "weights": {"bf16_bytes": int, "fp32_bytes": int, "parameters": int, "tied_embeddings": bool,
-                 "gguf_bytes": int, "gguf_layouts": {name: layout}},   # the last two for GGUF models
+                 "bf16_resident_bytes": int,                       # weights held in memory after the run
+                 "gguf_bytes": int, "gguf_layouts": {name: layout},   # these three for GGUF models
+                 "gguf_resident_bytes": int},
      "native_kernels": {LAYOUT: {"layer": str, "shape": [out, in], "bytes": int, "ms": float, "gb_s": float,
                                  "x_of_floor": float, "bytes_per_weight": float}} | null,
      "methods": {METHOD: {"dtype": "bf16"|"fp32"|"gguf", "engine": "specdraft"|"transformers",
@@ -220,6 +222,11 @@ def render_table(results: dict) -> str:
              f"{w['tied_embeddings']})", ""]
     if "gguf_bytes" in w:
         lines.insert(2, f"GGUF-native weights read per token: {w['gguf_bytes'] / 1e6:.1f} MB")
+    if "bf16_resident_bytes" in w:
+        held = f"bf16 {w['bf16_resident_bytes'] / 1e6:.1f} MB"
+        if "gguf_resident_bytes" in w:
+            held += f", GGUF-native {w['gguf_resident_bytes'] / 1e6:.1f} MB"
+        lines.insert(3 if "gguf_bytes" in w else 2, f"weights held in memory (after the run): {held}")
     lines += _table(["method", "decode tok/s", "ms/token", "vs hf-bf16", "floor ms/token", "x of floor",
                      "prefill tok/s"], rows)
     if results.get("native_kernels"):
@@ -314,6 +321,11 @@ def run_runtime_bench(args: argparse.Namespace, argv: list[str] | None = None) -
     config = {"prompts": len(prompts), "suite": str(suite), "max_tokens": args.max_tokens,
               "repeats": args.repeats, "threads": torch.get_num_threads(), "chat_template": build.chat,
               "ignore_eos": True}
+    from specdraft.runtime.gguf_native import resident_bytes
+
+    weights["bf16_resident_bytes"] = resident_bytes(ours["bf16"])  # after the run: its panels are built
+    if native is not None:
+        weights["gguf_resident_bytes"] = resident_bytes(native)
     results = build_runtime_results(header, config, bandwidth, weights, method_dtypes, samples)
     results["native_kernels"] = kernels
     out = Path(args.out)

@@ -1581,6 +1581,59 @@ void sd_q_to_panels(const uint8_t *rows, int fmt, int64_t N, int64_t K, uint8_t 
         }
 }
 
+/* The value of fp16 bits h that f16_exact wrote (zero, normal or subnormal): exact in fp32. */
+static float f16_value(uint16_t h) {
+    const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    const float v = exp ? ldexpf((float)(man | 0x400), exp - 25) : ldexpf((float)man, -24);
+    return h & 0x8000u ? -v : v;
+}
+
+/* The inverse of sd_q_to_panels: rows [n, q_row_bytes] of layout fmt & SD_W_GGUF for the rows idx[0..n) of
+ * the matrix (rows 0..n-1 where idx is NULL), from its panels: the bytes those rows held. So a matrix can be
+ * kept as panels alone (the layout the kernels read) and still be looked up (embedding rows) or dequantized
+ * (prompt GEMMs, references) without a second copy of its weights. */
+void sd_q_rows_from_panels(const uint8_t *panels, int fmt, int64_t K, const int64_t *idx, int64_t n, uint8_t *rows,
+                           int threads) {
+    const int base = fmt & SD_W_GGUF, half = (fmt & SD_W_HALF) != 0;
+    const int64_t E = q_block_elems(base), BB = q_block_bytes(base), nblk = K / E, row_bytes = q_row_bytes(base, K);
+    const int64_t PB = qp_block_bytes(fmt), SC = qp_scale_bytes(fmt), panel_bytes = qp_panel_bytes(fmt, K);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 64)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = idx ? idx[i] : i, l = r % QPANEL;
+        const uint8_t *panel = panels + r / QPANEL * panel_bytes;
+        uint8_t *row = rows + i * row_bytes;
+        for (int64_t b = 0; b < nblk; b++) {
+            const uint8_t *src = panel + b * PB;
+            uint8_t *blk = row + b * BB;
+            uint8_t *scales[2] = {blk, row + nblk * BB + b * 4}; /* scale, and Q4's offset */
+            for (int t = 0; t < (base == SD_W_Q4 ? 2 : 1); t++) {
+                if (half) {
+                    uint16_t h;
+                    memcpy(&h, src + t * SC + 2 * l, 2);
+                    const float v = f16_value(h);
+                    memcpy(scales[t], &v, 4);
+                } else {
+                    memcpy(scales[t], src + t * SC + 4 * l, 4);
+                }
+            }
+            const uint8_t *quants = src + (base == SD_W_Q4 ? 2 * SC : SC);
+            if (base == SD_W_Q4) {
+                uint8_t q[32];
+                for (int h = 0; h < 4; h++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t v = quants[64 * h + 4 * l + j];
+                        q[8 * h + j] = v & 0x0F;
+                        q[8 * h + 4 + j] = v >> 4;
+                    }
+                for (int e = 0; e < 16; e++) blk[4 + e] = (uint8_t)(q[e] | q[e + 16] << 4);
+            } else {
+                for (int64_t pr = 0; pr < E / 2; pr++)
+                    for (int j = 0; j < 2; j++) blk[4 + 2 * pr + j] = quants[32 * pr + 2 * l + j];
+            }
+        }
+    }
+}
+
 #ifdef SD_AVX512
 int sd_q_panels(void) { return 1; }
 

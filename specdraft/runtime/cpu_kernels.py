@@ -156,6 +156,7 @@ class LayerPointers(ctypes.Structure):
 # Weight layouts of cpu_kernels.c (SD_W_*): bf16 or int8 rows, GGUF-native blocks (gguf_native.py packs them),
 # bf16 panels (`panels`); QPANELS | a GGUF layout (| HALF: scales as fp16): its panels (`q_panels`).
 DENSE, Q4, Q8, Q8H, PANELS, QPANELS, HALF = 0, 1, 2, 3, 4, 8, 16
+GGUF = 3  # the GGUF layout bits of a panel layout
 
 
 class ModelShape(ctypes.Structure):
@@ -192,6 +193,7 @@ _SIGNATURES = {
     "sd_q_panels": ([], ctypes.c_int),
     "sd_qp_panel_bytes": ([ctypes.c_int, _I], _I),
     "sd_q_to_panels": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
+    "sd_q_rows_from_panels": ([_P, ctypes.c_int, _I, _P, _I, _P, ctypes.c_int], None),
     "sd_q_half_exact": ([_P, ctypes.c_int, _I, _I], ctypes.c_int),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
@@ -298,6 +300,14 @@ def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], _Layout]) -> 
     return made
 
 
+def cached_layout(tensor: torch.Tensor, what: str) -> _Layout | None:
+    """The rearrangement `what` of `tensor` if `_layout_of` made it and it is still current, else None."""
+    entry = _layouts.get((id(tensor), what))
+    if entry is None or entry[0]() is not tensor or entry[2] != tensor.data_ptr():
+        return None
+    return entry[3]
+
+
 def panels(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] in the kernels' panel layout, [ceil(N / P), K / 2, P, 2] with P outputs per panel
     (cpu_kernels.c says why), zero rows past N; kept with the weight (`_layout_of`)."""
@@ -338,7 +348,25 @@ def q_panels(packed: torch.Tensor, fmt: int, in_features: int, half_scales: bool
                             torch.get_num_threads())
         return out, layout
 
-    return _layout_of(packed, f"q{fmt}{'h' if half_scales else ''}", make)
+    return _layout_of(packed, q_panels_key(fmt, half_scales), make)
+
+
+def q_panels_key(fmt: int, half_scales: bool = True) -> str:
+    """The name `q_panels` keeps its panels of a layout-`fmt` matrix under (`cached_layout`)."""
+    return f"q{fmt}{'h' if half_scales else ''}"
+
+
+def q_rows_from_panels(panels: torch.Tensor, layout: int, in_features: int, rows: int | torch.Tensor
+                       ) -> torch.Tensor:
+    """The rows (uint8 [n, row bytes] in layout `layout & GGUF`) of a matrix held as `panels` (of that layout,
+    from `q_panels`): rows 0 .. rows - 1, or the rows at the int64 indices `rows`; the bytes `q_panels` read."""
+    base = layout & GGUF
+    index = None if isinstance(rows, int) else rows.to(torch.int64).contiguous()
+    n = rows if index is None else index.numel()
+    out = torch.empty(n, _lib.sd_q_row_bytes(base, in_features), dtype=torch.uint8)
+    _lib.sd_q_rows_from_panels(panels.data_ptr(), layout & (GGUF | HALF), in_features, _ptr(index), n,
+                               out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -356,7 +384,8 @@ def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias:
 
 def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None, out_features: int,
              threads: int, half_scales: bool = True) -> torch.Tensor:
-    """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`)^T + bias, bf16 out:
+    """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`, or its panels
+    with fmt = QPANELS | their layout)^T + bias, bf16 out:
     the file's exact weights, activations as int8 (Q4 layouts) or 16-bit integers per block (see
     cpu_kernels.c); each row's bits independent of M, and of `half_scales` (panels holding fp16 scales where
     they are exact: `q_panels`)."""
@@ -364,7 +393,10 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
     scratch = torch.empty(_lib.sd_q_scratch_floats(M, K), dtype=torch.float32)
-    if q_panels_active():
+    if fmt & QPANELS:  # `packed` holds panels already (`q_panels`), in layout fmt & ~QPANELS
+        _lib.sd_linear_qp(x.data_ptr(), packed.data_ptr(), fmt & ~QPANELS, _ptr(bias), y.data_ptr(), M,
+                          out_features, K, scratch.data_ptr(), threads)
+    elif q_panels_active():
         weights, layout = q_panels(packed, fmt, K, half_scales)
         _lib.sd_linear_qp(x.data_ptr(), weights.data_ptr(), layout, _ptr(bias), y.data_ptr(), M, out_features, K,
                           scratch.data_ptr(), threads)

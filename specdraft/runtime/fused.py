@@ -146,11 +146,9 @@ def _kernel_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     if (isinstance(module, Int8Linear) and module.pad_k == 0 and module.scales.dtype == torch.bfloat16
             and module.weight_int8.is_contiguous() and (module.bias is None or module.bias.dtype == torch.bfloat16)):
         return module.weight_int8, module.scales, cpu_kernels.DENSE
-    if isinstance(module, GGUFLinear) and module.packed.is_contiguous():
-        if cpu_kernels.q_panels_active():
-            weights, layout = cpu_kernels.q_panels(module.packed, module.fmt, module.in_features)
-            return weights, None, layout | cpu_kernels.QPANELS
-        return module.packed, None, module.fmt
+    if isinstance(module, GGUFLinear):
+        weights, layout = module.matrix.kernel_weights()
+        return weights, None, layout
     return None
 
 

@@ -173,24 +173,89 @@ def dequantize(packed: torch.Tensor, fmt: int, in_features: int) -> torch.Tensor
 # ---- modules ------------------------------------------------------------------------------------------------
 
 
+class QuantMatrix:
+    """One GGUF-native matrix: `rows` uint8 [N, row bytes] in layout `fmt`, or, once `keep_panels_only` ran on
+    a CPU whose kernels multiply panels (AVX-512), its panels alone.
+
+    The kernels read panels there (`cpu_kernels.q_panels`: 16 outputs interleaved, scales as fp16 where
+    exact), and keeping the rows beside them held every weight twice. Rows are rebuilt from the panels bit
+    for bit when something needs them (an embedding lookup, the dequantized weights of a prompt's GEMM, a
+    reference), so the weights are resident once."""
+
+    def __init__(self, rows: torch.Tensor, fmt: int, in_features: int) -> None:
+        self.fmt, self.in_features, self.num_rows = fmt, in_features, rows.shape[0]
+        self._rows: torch.Tensor | None = rows.contiguous()
+        self._panels: tuple[torch.Tensor, int] | None = None  # (panels, their layout) once the rows are gone
+
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """All rows, or those at `index` (int64 [n]), in layout `fmt`."""
+        if self._rows is not None:
+            return self._rows if index is None else self._rows[index]
+        panels, layout = self._panels
+        if index is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+            raise IndexError(f"row index out of range for a matrix of {self.num_rows} rows")
+        return cpu_kernels.q_rows_from_panels(panels, layout, self.in_features,
+                                              self.num_rows if index is None else index)
+
+    def kernel_weights(self) -> tuple[torch.Tensor, int]:
+        """(tensor, layout) the C kernels multiply: the panels (layout | QPANELS) where they read panels, else
+        the rows (layout `fmt`)."""
+        if self._panels is not None:
+            panels, layout = self._panels
+            return panels, layout | cpu_kernels.QPANELS
+        if cpu_kernels.available() and cpu_kernels.q_panels_active():
+            panels, layout = cpu_kernels.q_panels(self._rows, self.fmt, self.in_features)
+            return panels, layout | cpu_kernels.QPANELS
+        return self._rows, self.fmt
+
+    def keep_panels_only(self) -> None:
+        """Where the kernels read panels: build them and let the rows go (a no-op elsewhere)."""
+        if self._rows is None or not (cpu_kernels.available() and cpu_kernels.q_panels_active()):
+            return
+        self._panels = cpu_kernels.q_panels(self._rows, self.fmt, self.in_features)
+        self._rows = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this matrix holds in memory: rows, panels, or both while the kernels' panels sit beside rows."""
+        if self._rows is None:
+            return self._panels[0].numel()
+        panels = cpu_kernels.cached_layout(self._rows, cpu_kernels.q_panels_key(self.fmt))
+        return self._rows.numel() + (panels[0].numel() if panels is not None else 0)
+
+
+def _matrix(packed: torch.Tensor | QuantMatrix, fmt: int, in_features: int, rows: int) -> QuantMatrix:
+    matrix = packed if isinstance(packed, QuantMatrix) else QuantMatrix(packed, fmt, in_features)
+    row_bytes = in_features // BLOCK_ELEMS[fmt] * BLOCK_BYTES[fmt]
+    shape_ok = isinstance(packed, QuantMatrix) or (packed.dtype == torch.uint8
+                                                   and tuple(packed.shape) == (rows, row_bytes))
+    if (not shape_ok or matrix.fmt != fmt or matrix.in_features != in_features or matrix.num_rows != rows
+            or in_features % BLOCK_ELEMS[fmt]):
+        shape = tuple(packed.shape) if isinstance(packed, torch.Tensor) else (matrix.num_rows, "panels")
+        raise ValueError(f"packed weights {shape} do not hold {rows} x {in_features} weights in layout "
+                         f"{FORMAT_NAMES.get(fmt, fmt)}")
+    return matrix
+
+
 class GGUFLinear(nn.Module):
-    """A linear layer on GGUF-native weights: `packed` uint8 [out, row bytes] in layout `fmt`.
+    """A linear layer on GGUF-native weights: `packed` uint8 [out, row bytes] in layout `fmt` (or a
+    `QuantMatrix`, shared with a tied embedding).
 
     The C kernel computes every row with the same operations whatever the number of rows (so verification
     gives each token its decoding bits, as the bf16 kernels do), prefill blocks included. Without the
     kernels it dequantizes and runs an fp32 matmul (correct, slow)."""
 
-    def __init__(self, packed: torch.Tensor, fmt: int, in_features: int, out_features: int,
+    def __init__(self, packed: torch.Tensor | QuantMatrix, fmt: int, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        row_bytes = in_features // BLOCK_ELEMS[fmt] * BLOCK_BYTES[fmt]
-        if (packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, row_bytes)
-                or in_features % BLOCK_ELEMS[fmt]):
-            raise ValueError(f"packed weights {tuple(packed.shape)} {packed.dtype} do not hold {out_features} x "
-                             f"{in_features} weights in layout {FORMAT_NAMES.get(fmt, fmt)}")
+        self.matrix = _matrix(packed, fmt, in_features, out_features)
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
-        self.register_buffer("packed", packed)
         self.register_buffer("bias", bias)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The weights as rows in layout `fmt` (rebuilt from the panels where only those are kept)."""
+        return self.matrix.rows()
 
     def forward(self, x: torch.Tensor, exact_rows: bool = False) -> torch.Tensor:
         """Without exact_rows, a prompt-sized block (more than SMALL_BATCH_ROWS rows, never compared bit for
@@ -207,8 +272,8 @@ class GGUFLinear(nn.Module):
             return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
         if x.device.type == "cpu" and rows and cpu_kernels.available():
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
-            y = cpu_kernels.linear_q(flat, self.packed, self.fmt, self.bias, self.out_features,
-                                     torch.get_num_threads())
+            weights, layout = self.matrix.kernel_weights()
+            y = cpu_kernels.linear_q(flat, weights, layout, self.bias, self.out_features, torch.get_num_threads())
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
@@ -217,8 +282,9 @@ class GGUFLinear(nn.Module):
         """The weights [out, in] in fp32, or rounded to bf16 (the C kernel where built: ~10x faster than the
         torch ops, and it writes bf16 directly)."""
         if cpu_kernels.available():
-            return cpu_kernels.dequant_q(self.packed, self.fmt, self.in_features, torch.get_num_threads(), dtype)
-        return dequantize(self.packed, self.fmt, self.in_features).to(dtype)
+            return cpu_kernels.dequant_q(self.matrix.rows(), self.fmt, self.in_features, torch.get_num_threads(),
+                                         dtype)
+        return dequantize(self.matrix.rows(), self.fmt, self.in_features).to(dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -229,10 +295,8 @@ class GGUFLinear(nn.Module):
     def kernel_layout(self) -> tuple[int, int]:
         """(bytes, layout) the kernels read for one decoded token: the panels where they multiply those
         (`cpu_kernels.q_panels`: fp16 scales where exact, so fewer bytes than the rows), else the rows."""
-        if cpu_kernels.available() and cpu_kernels.q_panels_active():
-            panels, layout = cpu_kernels.q_panels(self.packed, self.fmt, self.in_features)
-            return panels.numel(), layout
-        return self.packed.numel(), self.fmt
+        weights, layout = self.matrix.kernel_weights()
+        return weights.numel(), layout & ~cpu_kernels.QPANELS
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={FORMAT_NAMES[self.fmt]}"
@@ -240,21 +304,25 @@ class GGUFLinear(nn.Module):
 
 class GGUFEmbedding(nn.Module):
     """Token embeddings on GGUF-native rows: a lookup dequantizes only the rows it reads (to bf16, the bits
-    the bf16 model's table holds). Shares `packed` with a tied LM head."""
+    the bf16 model's table holds). Shares its `QuantMatrix` with a tied LM head."""
 
-    def __init__(self, packed: torch.Tensor, fmt: int, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, packed: torch.Tensor | QuantMatrix, fmt: int, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
+        self.matrix = _matrix(packed, fmt, embedding_dim, num_embeddings)
         self.fmt, self.num_embeddings, self.embedding_dim = fmt, num_embeddings, embedding_dim
-        self.register_buffer("packed", packed)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.matrix.rows()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.packed[tokens.reshape(-1)], self.fmt, self.embedding_dim)
+        rows = dequantize(self.matrix.rows(tokens.reshape(-1).long()), self.fmt, self.embedding_dim)
         return rows.to(torch.bfloat16).reshape(*tokens.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:
         """The whole table in bf16 (dequantized on every access)."""
-        return dequantize(self.packed, self.fmt, self.embedding_dim).to(torch.bfloat16)
+        return dequantize(self.matrix.rows(), self.fmt, self.embedding_dim).to(torch.bfloat16)
 
 
 # ---- attaching native weights to a model ----------------------------------------------------------------------
@@ -362,7 +430,7 @@ def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict)
         model.embed = GGUFEmbedding(packed["embed"], fmt, cfg.vocab_size, cfg.hidden_size)
         report.native["embed"] = FORMAT_NAMES[fmt]
         if cfg.tie_word_embeddings:
-            model.lm_head = GGUFLinear(packed["embed"], fmt, cfg.hidden_size, cfg.vocab_size)
+            model.lm_head = GGUFLinear(model.embed.matrix, fmt, cfg.hidden_size, cfg.vocab_size)
             report.native["lm_head"] = FORMAT_NAMES[fmt]
     if "lm_head" in packed:
         model.lm_head = GGUFLinear(packed["lm_head"], formats["lm_head"], cfg.hidden_size, cfg.vocab_size)
@@ -376,26 +444,51 @@ def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict)
         bias = None if dense.bias is None else dense.bias.detach().to(torch.bfloat16)
         setattr(parent, attr, GGUFLinear(tensor, formats[name], dense.in_features, dense.out_features, bias))
         report.native[name] = FORMAT_NAMES[formats[name]]
+    for matrix in native_matrices(model):
+        matrix.keep_panels_only()
     model.native_report = report
     return report
+
+
+def native_matrices(model: nn.Module) -> list[QuantMatrix]:
+    """The model's GGUF-native matrices, each once (a tied head shares the embedding's)."""
+    found = {id(m.matrix): m.matrix for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))}
+    return list(found.values())
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of weights the model holds in memory: GGUF-native matrices as they are kept (`QuantMatrix`),
+    dense parameters and buffers at their size plus the bf16 panels the kernels made of them, each tensor
+    once. (The bf16 panels sit beside the parameters: transformers-shaped code reads `weight`.)"""
+    seen: set[int] = set()
+    total = sum(m.resident_bytes for m in native_matrices(model))
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+            panels = cpu_kernels.cached_layout(t, "panels")
+            total += panels.numel() * panels.element_size() if panels is not None else 0
+    return total
 
 
 def read_per_token(model: nn.Module) -> tuple[int, int]:
     """(bytes, weights) one decoded token reads from a native model: each packed tensor once (a tied head
     shares the embedding's) in the layout the kernels read (`GGUFLinear.kernel_layout`), dense parameters
     at their size, the embedding lookup counted as nothing."""
-    seen: set[int] = set()
+    seen: set[tuple[str, int]] = set()
     nbytes = weights = 0
     for module in model.modules():
         if isinstance(module, GGUFEmbedding):
             continue
         if isinstance(module, GGUFLinear):
-            tensors = [(module.packed, module.kernel_layout()[0], module.in_features * module.out_features)]
+            tensors = [(("matrix", id(module.matrix)), module.kernel_layout()[0],
+                        module.in_features * module.out_features)]
         else:
-            tensors = [(t, t.numel() * t.element_size(), t.numel()) for t in module.parameters(recurse=False)]
-        for t, size, count in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            tensors = [(("tensor", t.data_ptr()), t.numel() * t.element_size(), t.numel())
+                       for t in module.parameters(recurse=False)]
+        for key, size, count in tensors:
+            if key not in seen:
+                seen.add(key)
                 nbytes += size
                 weights += count
     return nbytes, weights
