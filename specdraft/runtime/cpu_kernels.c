@@ -1117,22 +1117,53 @@ static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
  * per lane, twice VPDPWSSD's 2: these layers (most of a Q4 model's weights) cost half the integer
  * instructions. The error, at most d / 2 an element, is what llama.cpp's own dot products make. Blocks whose
  * largest exponent is below 2^-112 (or all zero) become zeros; inf or NaN gives a NaN scale. */
+/* The largest exponent field (bf16 bits 7-14) among the E elements of a block (E a multiple of 16). */
+static inline int block_max_exponent(const bf16 *xb, int64_t E) {
+#ifdef SD_AVX512
+    __m256i e16 = _mm256_setzero_si256(); /* the exponent field of each element, in 16-bit lanes */
+    for (int64_t h = 0; h < E; h += 16)
+        e16 = _mm256_max_epu16(e16, _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(xb + h)), 7),
+                                                     _mm256_set1_epi16(0xFF)));
+    return _mm512_reduce_max_epi32(_mm512_cvtepu16_epi32(e16));
+#else
+    int e_max = 0;
+    for (int64_t i = 0; i < E; i++) {
+        const int e = (xb[i] >> 7) & 0xFF;
+        e_max = e > e_max ? e : e_max;
+    }
+    return e_max;
+#endif
+}
+
+/* The largest |x| of a block of E finite elements (E a multiple of 16): exact, as any order of maxima is.
+ * Not fmaxf: its NaN rules keep compilers from inlining it, and a library call per element cost 6% of a
+ * 32-token forward. */
+static inline float block_max_magnitude(const bf16 *xb, int64_t E) {
+#ifdef SD_AVX512
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t h = 0; h < E; h += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load_bf16x16(xb + h)));
+    return _mm512_reduce_max_ps(m);
+#else
+    float amax = 0.0f;
+    for (int64_t i = 0; i < E; i++) {
+        const float a = fabsf(bf2f(xb[i]));
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+#endif
+}
+
 static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in) {
     const int64_t E = 32, blocks = M * K / E;
     int8_t *X8 = (int8_t *)in.X;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const bf16 *xb = x + b * E;
-        int e_max = 0;
-        for (int64_t i = 0; i < E; i++) {
-            const int e = (xb[i] >> 7) & 0xFF;
-            e_max = e > e_max ? e : e_max;
-        }
+        const int e_max = block_max_exponent(xb, E);
         int32_t total = 0;
         float scale = 0.0f;
         if (e_max >= 15 && e_max < 255) {
-            float amax = 0.0f;
-            for (int64_t i = 0; i < E; i++) amax = fmaxf(amax, fabsf(bf2f(xb[i])));
+            const float amax = block_max_magnitude(xb, E); /* no inf or NaN here: e_max < 255 */
             const float up = 127.0f / amax;
             scale = amax / 127.0f;
 #ifdef SD_AVX512
@@ -1171,19 +1202,7 @@ static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_inp
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const bf16 *xb = x + b * E;
-#ifdef SD_AVX512
-        __m256i e16 = _mm256_setzero_si256(); /* the exponent field of each element, in 16-bit lanes */
-        for (int64_t h = 0; h < E; h += 16)
-            e16 = _mm256_max_epu16(e16, _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(xb + h)), 7),
-                                                         _mm256_set1_epi16(0xFF)));
-        const int e_max = _mm512_reduce_max_epi32(_mm512_cvtepu16_epi32(e16));
-#else
-        int e_max = 0;
-        for (int64_t i = 0; i < E; i++) {
-            const int e = (xb[i] >> 7) & 0xFF;
-            e_max = e > e_max ? e : e_max;
-        }
-#endif
+        const int e_max = block_max_exponent(xb, E);
         int32_t total = 0;
         float scale = 0.0f;
         if (e_max >= 15 && e_max < 255) {
