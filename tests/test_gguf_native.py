@@ -412,7 +412,8 @@ def test_speculation_on_a_native_target_reproduces_its_plain_decoding(smollm2_na
     prompt = tokenizer.prompt_ids("List three uses of copper, then say which is most common and why.", chat=True)
     params = SamplingParams(temperature=0, max_tokens=40)
     plain = Engine(smollm2_native, tokenizer, None, 0).generate(prompt, params).token_ids
-    for spec, tree in (("ngram", 0), ("ngram", 8), ("eagle", 0), ("eagle", 8), ("self:12", 0)):
+    for spec, tree in (("ngram", 0), ("ngram", 8), ("eagle", 0), ("eagle", 8), ("self:12", 0), ("quant:int8", 0),
+                       ("quant:int4", 8)):
         drafter = make_drafter(spec, smollm2_native, tokenizer, max_len=1024, dtype="bf16")
         engine = Engine(smollm2_native, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024,
                         tree=tree)
@@ -426,16 +427,6 @@ def test_native_dtype_needs_a_gguf_model(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="needs a GGUF model"):
         load_model(str(tmp_path), dtype="gguf", progress=False)
-
-
-@pytest.mark.slow
-def test_quant_drafts_refuse_a_native_target(smollm2_native):
-    from specdraft.drafters import make_drafter
-    from specdraft.errors import SpecdraftError
-    from specdraft.runtime.loader import load_tokenizer
-
-    with pytest.raises(SpecdraftError, match="already runs on its GGUF blocks"):
-        make_drafter("quant:int8", smollm2_native, load_tokenizer("smollm2-135m", progress=False), max_len=256)
 
 
 @pytest.mark.slow
