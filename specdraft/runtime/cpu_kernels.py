@@ -283,29 +283,34 @@ _Layout = TypeVar("_Layout")
 _layouts: dict[tuple[int, str], tuple[weakref.ref, int | None, int, Any]] = {}
 
 
-def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], _Layout]) -> _Layout:
-    """make() (a rearrangement of `tensor` for the kernels), made once and kept while the tensor lives; made
-    again when the tensor is changed in place (its version counter moves) or its storage is replaced."""
+def _version(tensor: torch.Tensor) -> int | None:
     try:
-        version = tensor._version
+        return tensor._version
     except RuntimeError:  # an inference-mode tensor keeps no version counter
-        version = None
-    key = (id(tensor), what)
-    entry = _layouts.get(key)
-    if entry is not None and entry[0]() is tensor and entry[1] == version and entry[2] == tensor.data_ptr():
-        return entry[3]
-    made = make()
-    alive = weakref.ref(tensor, lambda _, key=key: _layouts.pop(key, None))
-    _layouts[key] = (alive, version, tensor.data_ptr(), made)
-    return made
+        return None
 
 
 def cached_layout(tensor: torch.Tensor, what: str) -> _Layout | None:
-    """The rearrangement `what` of `tensor` if `_layout_of` made it and it is still current, else None."""
+    """The rearrangement `what` of `tensor` if `_layout_of` made it and it is still current (same tensor, not
+    changed in place, same storage), else None."""
     entry = _layouts.get((id(tensor), what))
-    if entry is None or entry[0]() is not tensor or entry[2] != tensor.data_ptr():
+    if (entry is None or entry[0]() is not tensor or entry[1] != _version(tensor)
+            or entry[2] != tensor.data_ptr()):
         return None
     return entry[3]
+
+
+def _layout_of(tensor: torch.Tensor, what: str, make: Callable[[], _Layout]) -> _Layout:
+    """make() (a rearrangement of `tensor` for the kernels), made once and kept while the tensor lives; made
+    again when the tensor is changed in place (its version counter moves) or its storage is replaced."""
+    made = cached_layout(tensor, what)
+    if made is not None:
+        return made
+    made = make()
+    key = (id(tensor), what)
+    alive = weakref.ref(tensor, lambda _, key=key: _layouts.pop(key, None))
+    _layouts[key] = (alive, _version(tensor), tensor.data_ptr(), made)
+    return made
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:

@@ -192,8 +192,10 @@ class QuantMatrix:
         if self._rows is not None:
             return self._rows if index is None else self._rows[index]
         panels, layout = self._panels
-        if index is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
-            raise IndexError(f"row index out of range for a matrix of {self.num_rows} rows")
+        if index is not None and index.numel():
+            low, high = torch.aminmax(index)
+            if int(low) < 0 or int(high) >= self.num_rows:
+                raise IndexError(f"row index out of range for a matrix of {self.num_rows} rows")
         return cpu_kernels.q_rows_from_panels(panels, layout, self.in_features,
                                               self.num_rows if index is None else index)
 
