@@ -450,6 +450,38 @@ def test_repeats_of_a_prompt_start_from_the_same_suffix_cache():
     assert method.seen == [0, 0, 0, 1, 1, 1]
 
 
+def test_recycled_predictions_reset_for_repeats_and_after_the_warm_up():
+    """`recycle` remembers the target's predictions across requests: neither the warm-up nor a question's
+    earlier repeat may leave its own predictions for the measured run of the same prompt."""
+    from types import SimpleNamespace
+
+    from specdraft.bench.specbench import warm_up
+    from specdraft.drafters.recycle import RecycledPredictions
+
+    class RecyclingMethod(FakeMethod):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.engine = SimpleNamespace(drafter=SimpleNamespace(recycled=RecycledPredictions()))
+            self.seen: list[int] = []
+
+        def run(self, prompt_ids, params):
+            recycled = self.engine.drafter.recycled
+            self.seen.append(len(recycled))
+            recycled.record([100 + len(self.seen)], [1, 2])
+            return super().run(prompt_ids, params)
+
+    calls: list = []
+    method = RecyclingMethod("recycle", calls, "R")
+    questions = [_q(1, "qa"), _q(2, "qa")]
+    build = PromptBuilder(FakeTokenizer(True))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    warm_up([method], questions, build, params)
+    assert method.seen == [0] and len(method.engine.drafter.recycled) == 0
+    method.seen.clear()
+    run_suite([FakeMethod("plain", calls, "P"), method], questions, build, params, repeats=3, progress=False)
+    assert method.seen == [0, 0, 0, 1, 1, 1]
+
+
 def test_methods_on_the_target_in_another_dtype():
     """`NAME@gguf` runs NAME on the GGUF-native target; its plain baseline `plain@gguf` is added before it."""
     assert parse_methods("ngram,ngram@gguf,eagle+tree8@gguf") == [
@@ -886,3 +918,20 @@ def test_draft_cost_times_rounds_after_the_first_and_reports_ratios():
     result = engine.generate(prompts[0], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     # Each request's first round is left out, and its last is never observed (the request ended).
     assert len(timed.rounds) == result.metrics.target_forwards - 2
+
+
+def test_bench_fallback_drafter_runs_through_the_engine():
+    """The always-wrong drafter of `bench-fallback` speaks the drafter interface the engine calls."""
+    from tiny_models import ToyTokenizer, tiny_model
+
+    from specdraft.bench.fallback_bench import AlwaysWrongDrafter
+    from specdraft.engine.adaptive import AdaptiveConfig
+    from specdraft.engine.core import Engine
+
+    target = tiny_model(seed=0, vocab=16)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = Engine(target, ToyTokenizer(16), None, 0, max_model_len=64).generate([1, 2, 3], params)
+    engine = Engine(target, ToyTokenizer(16), AlwaysWrongDrafter(15), 3, AdaptiveConfig(enabled=False),
+                    max_model_len=64)
+    result = engine.generate([1, 2, 3], params)
+    assert result.token_ids == plain.token_ids and engine.totals.drafted > 0

@@ -342,33 +342,34 @@ def test_tree_size_is_validated():
 
 def test_shape_chooser_prefers_the_measured_faster_shape():
     chooser = TreeShapeChooser(16, window=4, explore_every=8, max_wait=64)
-    assert chooser.arms == [16, 8, 4, 0]
+    assert chooser.arms == [15, 7, 3, 0]
+    assert [TreeShapeChooser(n).arms for n in (1, 2, 3, 8, 12)] == [[0], [2, 0], [3, 0], [7, 3, 0], [7, 3, 0]]
     # Trees: more tokens per round but slower rounds; the chain is fastest per second.
-    speed = {16: (3, 0.060), 8: (2.8, 0.040), 4: (2.5, 0.025), 0: (2, 0.010)}
+    speed = {15: (3, 0.060), 7: (2.8, 0.040), 3: (2.5, 0.025), 0: (2, 0.010)}
     picks = []
     for _ in range(400):
         arm = chooser.choose()
         picks.append(arm)
         chooser.update(arm, *speed[arm])
-    assert picks[:4] == [16, 8, 4, 0]  # each shape tried once, the largest tree first
+    assert picks[:4] == [15, 7, 3, 0]  # each shape tried once, the largest tree first
     later = picks[200:]
-    assert set(later) == {0, 4, 8, 16}  # the losers are still re-measured now and then...
+    assert set(later) == {0, 3, 7, 15}  # the losers are still re-measured now and then...
     assert later.count(0) > 0.9 * len(later)  # ...but rarely: their wait doubles while they lose
-    assert chooser.wait[16] == 64
+    assert chooser.wait[15] == 64
     # When trees become faster (the text turned repetitive), the choice follows within one wait.
-    speed[16] = (8, 0.020)
+    speed[15] = (8, 0.020)
     for _ in range(200):
         chooser.update(arm := chooser.choose(), *speed[arm])
-    assert chooser.best() == 16 and chooser.choose() == 16
+    assert chooser.best() == 15 and chooser.choose() == 15
 
 
 def test_a_new_request_starts_from_the_shapes_measured_so_far():
     chooser = TreeShapeChooser(16, explore_every=8, max_wait=64)
-    speed = {16: (3, 0.060), 8: (2.8, 0.040), 4: (2.5, 0.025), 0: (2, 0.010)}
+    speed = {15: (3, 0.060), 7: (2.8, 0.040), 3: (2.5, 0.025), 0: (2, 0.010)}
     for _ in range(100):
         chooser.update(arm := chooser.choose(), *speed[arm])
     child = chooser.fork()
     assert child.choose() == 0  # no shape is re-measured from scratch: the chain is already known best
-    assert child.rate(16) == chooser.rate(16) and child.wait == chooser.wait
+    assert child.rate(15) == chooser.rate(15) and child.wait == chooser.wait
     child.update(0, 1, 0.010)
     assert chooser.rate(0) != child.rate(0) or chooser.tokens[0] != child.tokens[0]  # independent copies

@@ -31,7 +31,7 @@ class AlwaysWrongDrafter:
         pass
 
     def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]],
-                max_ks: Sequence[int]) -> list[Proposal]:
+                max_ks: Sequence[int], max_nodes: Sequence[int | None] | None = None) -> list[Proposal]:
         return [Proposal([self.token] * k) for k in max_ks]
 
     def observe(self, request_id: int, verified: Verified) -> None:

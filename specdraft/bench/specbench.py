@@ -261,18 +261,27 @@ def warm_up(methods: Sequence, questions: Sequence[Question], build: PromptBuild
     for m in methods:
         if failed and m.name in failed_names(failed):
             continue
+        cache = shared_cache(m)
+        before = cache.snapshot() if cache is not None else None
         try:
             m.run(ids, short)
+            if cache is not None:  # the warm-up's text and predictions must not help the first question
+                cache.restore(before)
         except PeerFailed as exc:
             _peer_failed(exc, m, methods, "warm-up", failed)
 
 
 def shared_cache(method):
-    """The cross-request `SuffixCache` of a method's drafter, if it has one."""
+    """What a method's drafter remembers across requests (`suffix`'s cache of earlier requests, `recycle`'s
+    recycled predictions), if anything: an object with `snapshot()` and `restore(snapshot)`."""
+    from specdraft.drafters.recycle import RecycledPredictions
     from specdraft.drafters.suffix import SuffixCache
 
-    cache = getattr(getattr(getattr(method, "engine", None), "drafter", None), "cache", None)
-    return cache if isinstance(cache, SuffixCache) else None
+    drafter = getattr(getattr(method, "engine", None), "drafter", None)
+    for memory in (getattr(drafter, "cache", None), getattr(drafter, "recycled", None)):
+        if isinstance(memory, (SuffixCache, RecycledPredictions)):
+            return memory
+    return None
 
 
 def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable, params: SamplingParams,

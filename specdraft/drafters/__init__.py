@@ -9,11 +9,13 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
-DRAFTER_HELP = ("auto | ngram | suffix | quant:int4 | quant:int8 | self:N | eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | "
-                "draft:MODEL_REF | MODEL_REF | cascade:ngram,B | hybrid:ngram,B (eagle / medusa alone: the head "
-                "shipped for the target; auto: the shipped head that measured fastest, else ngram; "
-                "draft:MODEL_REF may use another tokenizer; cascade: the model drafter B checks n-gram guesses "
-                "of its own drafts; hybrid: n-gram lookup after a match of 2+ tokens, B elsewhere)")
+DRAFTER_HELP = ("auto | ngram | suffix | recycle[:TABLE_DIR|none] | quant:int4 | quant:int8 | self:N | "
+                "eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | draft:MODEL_REF | MODEL_REF | cascade:ngram,B | "
+                "hybrid:ngram,B (eagle / medusa alone: the head shipped for the target; recycle: n-gram lookup, "
+                "the target's recycled top-k and the n-gram table shipped for the target (or TABLE_DIR) as one "
+                "tree; auto: the shipped head that measured fastest, else ngram; draft:MODEL_REF may use "
+                "another tokenizer; cascade: the model drafter B checks n-gram guesses of its own drafts; hybrid: "
+                "n-gram lookup after a match of 2+ tokens, B elsewhere)")
 
 # Drafters made from the target's weights or features: they need the runtime's `Transformer` as the target.
 WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
@@ -26,7 +28,8 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     concurrent requests.
     A draft model with another tokenizer drafts through text (cross_tokenizer.py).
 
-    options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; suffix: those and the shared
+    options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; recycle: max_n,
+    max_occurrences, target_topk; suffix: ngram's and the shared
     cache's max_tokens, cache_min_n, cache_max_n; model drafters:
     min_confidence; quant: group_size; hybrid: min_match and B's). Unknown options are an error.
     """
@@ -71,6 +74,22 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
         opts = take({"max_n", "min_n", "max_occurrences", "max_tokens", "cache_min_n", "cache_max_n"})
         try:
             return SuffixDrafter(**opts)
+        except ValueError as exc:
+            raise SpecdraftError(str(exc)) from exc
+    if kind == "recycle":
+        from specdraft.drafters.recycle import NgramTable, RecycleDrafter
+        from specdraft.drafters.shipped import shipped_head
+
+        opts = take({"max_n", "max_occurrences", "target_topk"})
+        if arg == "none":
+            table = None
+        elif arg:
+            table = NgramTable.load(arg)
+        else:
+            shipped = shipped_head("recycle", target) if runtime_target else None
+            table = NgramTable.load(shipped) if shipped is not None else None
+        try:
+            return RecycleDrafter(table, name=spec, **opts)
         except ValueError as exc:
             raise SpecdraftError(str(exc)) from exc
     if kind == "quant":
@@ -155,7 +174,7 @@ def _make_hybrid(spec: str, arg: str, target: Transformer, target_tokenizer: Tok
     lookup, model_spec = _ngram_pair(spec, arg, "hybrid", "eagle", "its match length decides who drafts")
     options = dict(options)
     min_match = options.pop("min_match", 2)
-    if model_spec.partition(":")[0] in ("ngram", "suffix", "hybrid", "cascade", "auto"):
+    if model_spec.partition(":")[0] in ("ngram", "suffix", "recycle", "hybrid", "cascade", "auto"):
         raise SpecdraftError(f"hybrid {spec!r}: the second part must be a model drafter (eagle, medusa, quant, "
                              f"self, draft), got {model_spec!r}")
     model = make_drafter(model_spec, target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,

@@ -110,6 +110,9 @@ class Verified:
     `positions`; accepted: indices into the proposal's tokens of the accepted path, root first; emitted: the
     tokens committed this round (accepted drafts, then the target's correction or bonus); context: the whole
     committed sequence afterwards. hidden: {layer: [len(scored), dim]} for the layers the drafter asked for.
+    parents: the draft tokens' parent indices (as in `Proposal`). target_topk: [len(scored), k] token ids,
+    the target's k most likely next tokens after each scored token (given its path), best first, for a
+    drafter whose `target_topk` is k > 0; None otherwise.
     """
 
     scored: list[int]
@@ -118,6 +121,8 @@ class Verified:
     emitted: list[int]
     context: Sequence[int]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    parents: list[int] = field(default_factory=list)
+    target_topk: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -125,6 +130,9 @@ class Verified:
 
 
 class Drafter(Protocol):
+    """A drafter may also set `target_topk = k` (absent: 0): `observe` then receives the target's top k
+    next tokens at every scored token (`Verified.target_topk`), for the price of a top-k over the logits."""
+
     name: str
     # Target layers whose hidden states `add_request` and `observe` receive (-1: the final-normed output).
     hidden_layers: tuple[int, ...]

@@ -1,12 +1,12 @@
-"""Draft heads that ship inside the package, trained for the bundled models (`eagle` and `medusa` without a
-path pick the one made for the loaded target).
+"""Draft heads and tables that ship inside the package, made for the bundled models (`eagle`, `medusa` and
+`recycle` without a path pick the one made for the loaded target).
 
-Each lives in `specdraft/heads/<model>/<kind>/` (config.json, model.safetensors, CARD.md: the data, the exact
-commands that rebuilt it, training time, validation agreement and measured speedups). A head records the
-signature of the target it was trained on (the architecture numbers below), so it is found for that model
-however it was loaded (catalog name, converted directory, GGUF file). The head that measured fastest on the
-dev suite is marked `"default": true` in its config's `specdraft` section: the `auto` drafter takes it, and
-`ngram` where no head ships.
+Each lives in `specdraft/heads/<model>/<kind>/` (config.json, the weights or table as safetensors, CARD.md:
+the data, the exact commands that rebuilt it, training time, validation agreement and measured speedups). It
+records the signature of the target it was made for (the architecture numbers below), so it is found for
+that model however it was loaded (catalog name, converted directory, GGUF file). The one that measured
+fastest on the dev suite (heads only, so far) is marked `"default": true` in its config's `specdraft` section:
+the `auto` drafter takes it, and `ngram` where none is marked.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
+from specdraft.verify.greedy import topk_indices
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -370,6 +371,11 @@ class Engine:
                                          logits, [r.params for r in requests], [r.generator for r in requests],
                                          [p.parents for p in proposals])
         verify_time = time.perf_counter() - t1
+        # What the drafter recycles of the target's work (its cost is the drafter's, booked with `observe`).
+        t2 = time.perf_counter()
+        topk = getattr(drafter, "target_topk", 0) if drafter is not None else 0
+        top = topk_indices(logits, topk) if topk else None
+        topk_time = time.perf_counter() - t2
 
         if cap is not None and (cap == 0 or drafting):  # rounds that drafted under a cap, or plain by it
             self.batch_depths.update(len(requests), cap, sum(len(e) for e in emitted), draft_time + verify_time)
@@ -388,8 +394,9 @@ class Engine:
                 t = time.perf_counter()
                 depths = [0] + proposal.depths
                 drafter.observe(r.id, Verified(scored, [start + d for d in depths], path, emitted[b], r.context,
-                                               hidden))
-                r.metrics.draft_time += time.perf_counter() - t
+                                               hidden, list(proposal.parents),
+                                               None if top is None else top[b, :len(scored)]))
+                r.metrics.draft_time += time.perf_counter() - t + topk_time
         return chunks
 
     def _draft_budget(self, r: Request, cap: int | None = None) -> tuple[int, int, int | None]:
@@ -406,6 +413,9 @@ class Engine:
         nodes = min(self.tree if shape is None else shape, room)
         if nodes == 0:  # a chain
             return depth, depth, shape
+        if r.controller.cheap and r.controller.config.enabled:
+            # A cheap drafter's tree costs its nodes, not its depth: let it place them as deep as it likes.
+            depth = max(0, min(r.controller.max_k, remaining - 1, room, cap if cap is not None else room))
         return min(depth, nodes), nodes, shape
 
     def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,

@@ -1,4 +1,4 @@
-"""`specdraft distill`, `specdraft train eagle|medusa` and `specdraft export eagle`."""
+"""`specdraft distill`, `specdraft train eagle|medusa|ngram-table` and `specdraft export eagle`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def add_commands(sub) -> None:
     medusa.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     medusa.set_defaults(func=cmd_train_medusa)
 
+    table = kinds.add_parser("ngram-table", help="the n-gram table of the target's answers that the recycle "
+                             "drafter reads (use it as --speculative-model recycle:OUT)")
+    table.add_argument("--model", required=True)
+    table.add_argument("--data", required=True, help="a `specdraft distill` output directory (tokens suffice)")
+    table.add_argument("--out", required=True)
+    table.add_argument("--top", type=arg_int_in(1, 16), default=4, help="next tokens kept per context")
+    table.add_argument("--min-count", type=arg_int_in(1), default=2,
+                       help="keep contexts seen at least this often in the answers")
+    table.set_defaults(func=cmd_train_ngram_table)
+
 
 # transformers' class for a model type, for configs converted from GGUF (which name no architecture).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -89,6 +99,19 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     if history["val_agreement"]:
         print("validation top-1 agreement per head: " + " ".join(f"{a:.3f}" for a in history["val_agreement"][-1]))
     print(f"heads saved in {args.out}; use them with --speculative-model medusa:{args.out}")
+    return 0
+
+
+def cmd_train_ngram_table(args: argparse.Namespace) -> int:
+    from specdraft.runtime.loader import load_model
+    from specdraft.train.ngram_table import build_ngram_table
+
+    target = load_model(args.model, dtype="bf16", progress=False)
+    table = build_ngram_table(target, args.data, args.out, top=args.top, min_count=args.min_count,
+                              target_info=_identity(args.model))
+    meta = table.meta
+    print(f"{args.out}: {len(table)} contexts from {meta['answer_tokens']} answer tokens of {meta['sequences']} "
+          f"sequences; use it with --speculative-model recycle:{args.out}")
     return 0
 
 

@@ -72,9 +72,11 @@ def read_features(path: Path, layers: list[int]) -> list[dict[int, torch.Tensor]
 
 
 def read_shard(path: Path) -> tuple[list[list[int]], list[int]]:
-    from safetensors.torch import load_file
+    """(sequences, prompt lengths) of a shard, reading none of its recorded features."""
+    from safetensors import safe_open
 
-    data = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        data = {name: f.get_tensor(name) for name in ("tokens", "offsets", "prompt_lens")}
     offsets = data["offsets"].tolist()
     flat = data["tokens"].long()
     seqs = [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]

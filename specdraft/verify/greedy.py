@@ -50,3 +50,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return logits.argmax(-1)
+
+
+def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits.topk(k, dim=-1).indices, best first; on CPU through fp32, as `argmax` (torch's half-precision
+    top-k is slower still than its argmax)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.topk(k, dim=-1).indices
+
