@@ -273,11 +273,12 @@ class RecycleDrafter:
         node, accepted or not): each is its prediction after the committed context plus the node's path."""
         top = verified.target_topk
         if top is not None and len(top):
-            committed = list(verified.context[: len(verified.context) - len(verified.emitted)])
+            end = len(verified.context) - len(verified.emitted)  # the committed context before the round
+            committed = list(verified.context[max(0, end - MAX_ORDER):end])
             rows = top.tolist()
-            self.recycled.record(committed[-MAX_ORDER:], rows[0])
+            self.recycled.record(committed, rows[0])
             for path, row in zip(_node_paths(verified.scored[1:], verified.parents), rows[1:]):
-                self.recycled.record((committed[-MAX_ORDER:] + path)[-MAX_ORDER:], row)
+                self.recycled.record((committed + path)[-MAX_ORDER:], row)
         self._indexes[request_id].sync(verified.context)
 
     def remove_request(self, request_id: int) -> None:
