@@ -153,6 +153,15 @@ class Drafter(Protocol):
         """Forget the request and free what it held."""
 
 
+def node_budgets(drafter: object, request_ids: Sequence[int], max_nodes: Sequence[int | None] | None
+                 ) -> Sequence[int | None]:
+    """Each request's node budget from `propose`'s `max_nodes` (None for all: chains), checked for length."""
+    budgets: Sequence[int | None] = [None] * len(request_ids) if max_nodes is None else max_nodes
+    if len(budgets) != len(request_ids):
+        raise ValueError(f"{type(drafter).__name__}: {len(budgets)} node budgets for {len(request_ids)} requests")
+    return budgets
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common start of two token sequences (a cache to rewind, a prompt's cached start)."""
     n = 0

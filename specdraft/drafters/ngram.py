@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, node_budgets
 
 # `NgramIndex.prev` entry of an occurrence with no earlier one (or of a position where no n-gram ends).
 NO_OCCURRENCE = -1
@@ -255,9 +255,7 @@ class NgramDrafter:
                 max_nodes: Sequence[int | None] | None = None) -> list[Proposal]:
         """A chain of up to `max_k` tokens when the request's `max_nodes` is None or `max_k` (exactly what
         the drafter proposed before trees existed), otherwise a tree from `NgramIndex.lookup_tree`."""
-        budgets: Sequence[int | None] = [None] * len(request_ids) if max_nodes is None else max_nodes
-        if len(budgets) != len(request_ids):
-            raise ValueError(f"{type(self).__name__}: {len(budgets)} node budgets for {len(request_ids)} requests")
+        budgets = node_budgets(self, request_ids, max_nodes)
         proposals = []
         for request_id, context, max_k, budget in zip(request_ids, contexts, max_ks, budgets):
             index = self._indexes[request_id]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, node_budgets
 from specdraft.drafters.ngram import NO_OCCURRENCE, NgramIndex
 from specdraft.errors import SpecdraftError
 
@@ -253,9 +253,7 @@ class RecycleDrafter:
 
     def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
                 max_nodes: Sequence[int | None] | None = None) -> list[Proposal]:
-        budgets: Sequence[int | None] = [None] * len(request_ids) if max_nodes is None else max_nodes
-        if len(budgets) != len(request_ids):
-            raise ValueError(f"{type(self).__name__}: {len(budgets)} node budgets for {len(request_ids)} requests")
+        budgets = node_budgets(self, request_ids, max_nodes)
         proposals = []
         for request_id, context, max_k, budget in zip(request_ids, contexts, max_ks, budgets):
             index = self._indexes[request_id]
