@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from scipy import stats
-from tiny_models import ToyTokenizer, tiny_model
+from tiny_models import ToyTokenizer, recycle_drafter, tiny_model
 
 from specdraft.drafters.base import DraftRequest, Proposal
 from specdraft.drafters.draft_model import ModelDrafter
@@ -86,10 +86,13 @@ def make_drafters(target, draft):
         "self:1": lambda: make_self_drafter(target, 1, max_len=256),
         "quant:int8": lambda: make_quant_drafter(target, 8, max_len=256),
         "draft=target": lambda: ModelDrafter(target, max_len=256),
+        "recycle": lambda: recycle_drafter(),
+        "recycle+table": lambda: recycle_drafter(table_seed=5),
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft", "self:1", "quant:int8", "draft=target"])
+@pytest.mark.parametrize("name", ["ngram", "draft", "self:1", "quant:int8", "draft=target", "recycle",
+                                  "recycle+table"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("adaptive", [FIXED, AdaptiveConfig()])
 def test_greedy_identity(name, dtype, adaptive):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from real_models import greedy_reference
 
 from specdraft.drafters import make_drafter
 from specdraft.drafters.shipped import shipped_heads
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
-from specdraft.runtime.loader import load_model, load_tokenizer
-from specdraft.verify.sampling import SamplingParams
 
 MAX_HEAD_BYTES = 25 * 10**6
 HEADS = shipped_heads()
@@ -36,13 +35,7 @@ def test_shipped_head_is_small_and_has_its_card(head):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["smollm2-135m", "gemma3-270m"])
 def test_shipped_eagle_head_drafts_losslessly_for_its_target(model_name, dev_prompts):
-    target = load_model(model_name, progress=False)
-    tokenizer = load_tokenizer(model_name, progress=False)
-    prompts = [tokenizer.prompt_ids(row["turns"][0], chat=tokenizer.has_chat_template)[:160]
-               for row in dev_prompts[::40][:2]]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    plain = Engine(target, tokenizer, None, 0, max_model_len=512)
-    expected = [plain.generate(ids, params).token_ids for ids in prompts]
+    target, tokenizer, prompts, expected, params = greedy_reference(model_name, dev_prompts, 24)
     drafter = make_drafter("eagle", target, tokenizer, max_len=512)
     for tree in (0, 8):
         engine = Engine(target, tokenizer, drafter, 3, AdaptiveConfig(enabled=False), max_model_len=512, tree=tree)

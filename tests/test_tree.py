@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import BATCH, FIXED, NUM_SAMPLES, PROMPT, VOCAB, matches, prompts
-from tiny_models import ToyTokenizer, tiny_model
+from tiny_models import ToyTokenizer, recycle_drafter, tiny_model
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal
 from specdraft.drafters.draft_model import ModelDrafter
@@ -287,10 +287,13 @@ def make_tree_drafters(target, draft):
         "self:1": lambda: make_self_drafter(target, 1, max_len=256, max_batch=3),
         "quant:int8": lambda: make_quant_drafter(target, 8, max_len=256, max_batch=3),
         "shape top-k": lambda: ShapeDrafter([ROOT, ROOT, 0, 1, 0, 2], "topk"),
+        "recycle": lambda: recycle_drafter(),
+        "recycle+table": lambda: recycle_drafter(table_seed=5),
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft", "self:1", "quant:int8", "shape top-k"])
+@pytest.mark.parametrize("name", ["ngram", "draft", "self:1", "quant:int8", "shape top-k", "recycle",
+                                  "recycle+table"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("adaptive", [FIXED, AdaptiveConfig()])
 def test_tree_greedy_identity(name, dtype, adaptive):

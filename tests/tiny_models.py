@@ -34,6 +34,17 @@ def tiny_model(seed: int = 0, scale: float = 1.0, dtype: torch.dtype = torch.flo
     return model.to(dtype).eval()
 
 
+def recycle_drafter(table_seed: int | None = None, vocab: int = 16):
+    """A `recycle` drafter for a toy vocabulary, with an n-gram table counted from random text (or none)."""
+    from specdraft.drafters.recycle import NgramTable, RecycleDrafter
+
+    table = None
+    if table_seed is not None:
+        g = torch.Generator().manual_seed(table_seed)
+        table = NgramTable.build([(torch.randint(0, vocab, (300,), generator=g).tolist(), 0)], top=3, min_count=1)
+    return RecycleDrafter(table)
+
+
 class ToyTokenizer:
     """Token i is the letter chr(97 + i); `eos` (optional) ends generation."""
 

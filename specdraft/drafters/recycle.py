@@ -53,6 +53,8 @@ TABLE_WEIGHT = {3: 0.77, 2: 0.64, 1: 0.59}
 KEY_BITS = 20
 MAX_ORDER = 3
 MAX_VOCAB = (1 << KEY_BITS) - 1
+# The table's file in a table directory (`specdraft train ngram-table --out DIR`).
+TABLE_FILE = "table.safetensors"
 
 
 def pack_key(tokens: Sequence[int]) -> int:
@@ -182,9 +184,6 @@ class NgramTable:
         except (OSError, KeyError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
             raise SpecdraftError(f"{path} is not a specdraft n-gram table: {exc}") from exc
         return cls(arrays["keys"], arrays["next_tokens"], arrays["next_probs"], meta)
-
-
-TABLE_FILE = "table.safetensors"
 
 
 class RecycledPredictions:

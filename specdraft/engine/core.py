@@ -413,7 +413,7 @@ class Engine:
         nodes = min(self.tree if shape is None else shape, room)
         if nodes == 0:  # a chain
             return depth, depth, shape
-        if r.controller.cheap and r.controller.config.enabled:
+        if r.controller.cheap:
             # A cheap drafter's tree costs its nodes, not its depth: let it place them as deep as it likes.
             depth = max(0, min(r.controller.max_k, remaining - 1, room, cap if cap is not None else room))
         return min(depth, nodes), nodes, shape
