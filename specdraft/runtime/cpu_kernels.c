@@ -54,6 +54,11 @@ static inline __m256i f2bf_x16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* x rounded to bf16 (as f2bf_x16) and widened back to fp32. */
+static inline __m512 round_bf16_x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f2bf_x16(x)), 16));
+}
+
 /* e^x for x <= 0 (scores minus their maximum) on 16 lanes: 2^n p(r), r = x - n ln 2 (ln 2 in two parts),
  * p of degree 7 with Cephes expf's coefficients (relative error about 2e-7, as libm's expf). The same
  * operations on every lane: a value depends on its x alone. */
@@ -1816,40 +1821,97 @@ void sd_linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf
 
 /* ---- RMSNorm ------------------------------------------------------------------------------------------ */
 
-/* Llama style rounds the normalized row to bf16 before scaling by w; Gemma style scales by (1 + w) in fp32:
- * the same roundings as the PyTorch modules. */
-static inline void rmsnorm_row(const float *v, const bf16 *w, int64_t dim, float eps, int gemma, bf16 *out) {
+/* A row's sum of squares is one chain of fused multiply-adds in element order, and stays so: the rounding of
+ * this sum decides near-ties downstream (summed in 16 lanes instead, SmolLM2's first chat-template token
+ * flipped its top-1 at an fp32 gap of 0.8). Several rows are summed at once, one row per lane. */
+static inline float sum_squares_row(const bf16 *x, int64_t dim) {
     float ss = 0.0f;
-    for (int64_t i = 0; i < dim; i++) ss = fmaf(v[i], v[i], ss);
-    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) {
-        if (gemma)
-            out[i] = f2bf(v[i] * r * (1.0f + bf2f(w[i])));
-        else
-            out[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(v[i] * r)));
-    }
+    for (int64_t i = 0; i < dim; i++) ss = fmaf(bf2f(x[i]), bf2f(x[i]), ss);
+    return ss;
 }
 
-/* x (the residual stream, updated in place) += [post_norm](h) when h is given; out = norm(x, w).
- * Work-shared over rows (call from every thread of the region). scratch: 3 * dim floats per thread. */
-static void add_rmsnorm(bf16 *x, const bf16 *h, const bf16 *post_w, const bf16 *w, bf16 *out, int64_t rows,
-                        int64_t dim, float eps, int gemma, float *scratch) {
-    float *v = scratch, *hv = scratch + dim;
-    bf16 *hn = (bf16 *)(scratch + 2 * dim);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *xr = x + r * dim;
-        if (h) {
-            const bf16 *hr = h + r * dim;
-            if (post_w) {
-                for (int64_t i = 0; i < dim; i++) hv[i] = bf2f(hr[i]);
-                rmsnorm_row(hv, post_w, dim, eps, gemma, hn);
-                hr = hn;
-            }
-            for (int64_t i = 0; i < dim; i++) xr[i] = f2bf(bf2f(xr[i]) + bf2f(hr[i]));
+/* ss[j] = sum_squares_row(x + j * stride, dim) for j < nrows <= 16, bit for bit. */
+static inline void sum_squares_rows(const bf16 *x, int64_t stride, int nrows, int64_t dim, float *ss) {
+#ifdef SD_AVX512
+    if (nrows > 1) { /* 16 x 16 blocks transposed: one vector FMA takes a step of every row's chain */
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i0 = 0; i0 < dim; i0 += 16) {
+            const int64_t n = dim - i0 < 16 ? dim - i0 : 16;
+            const __mmask16 lanes = (__mmask16)(n == 16 ? 0xffffu : (1u << n) - 1);
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j < nrows ? load_bf16x16_masked(x + j * stride + i0, lanes) : _mm512_setzero_ps();
+            transpose16(r); /* r[c]: element i0 + c of every row */
+            for (int64_t c = 0; c < n; c++) acc = _mm512_fmadd_ps(r[c], r[c], acc);
         }
-        for (int64_t i = 0; i < dim; i++) v[i] = bf2f(xr[i]);
-        rmsnorm_row(v, w, dim, eps, gemma, out + r * dim);
+        float all[16];
+        _mm512_storeu_ps(all, acc);
+        for (int j = 0; j < nrows; j++) ss[j] = all[j];
+        return;
+    }
+#endif
+    for (int j = 0; j < nrows; j++) ss[j] = sum_squares_row(x + j * stride, dim);
+}
+
+static inline float inv_rms(float ss, int64_t dim, float eps) { return 1.0f / sqrtf(ss / (float)dim + eps); }
+
+/* out = x * r * w, rounded as the PyTorch modules round it: Llama style rounds x * r to bf16 before scaling by
+ * w; Gemma style scales by (1 + w) in fp32. out may be x. */
+static inline void norm_scale_row(const bf16 *x, float r, const bf16 *w, int64_t dim, int gemma, bf16 *out) {
+#ifdef SD_AVX512
+    const __m512 vr = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 lanes = (__mmask16)(dim - i >= 16 ? 0xffffu : (1u << (dim - i)) - 1);
+        const __m512 xr = _mm512_mul_ps(load_bf16x16_masked(x + i, lanes), vr);
+        const __m512 wi = load_bf16x16_masked(w + i, lanes);
+        const __m512 y = gemma ? _mm512_mul_ps(xr, _mm512_add_ps(one, wi)) : _mm512_mul_ps(wi, round_bf16_x16(xr));
+        _mm256_mask_storeu_epi16(out + i, lanes, f2bf_x16(y));
+    }
+#else
+    for (int64_t i = 0; i < dim; i++)
+        out[i] = gemma ? f2bf(bf2f(x[i]) * r * (1.0f + bf2f(w[i]))) : f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(x[i]) * r)));
+#endif
+}
+
+/* x (the residual stream, updated in place) += [post_norm](h) when h is given (h is normed in place);
+ * out = norm(x, w). Work-shared over groups of up to 16 rows (call from every thread of the region). */
+static void add_rmsnorm(bf16 *x, bf16 *h, const bf16 *post_w, const bf16 *w, bf16 *out, int64_t rows,
+                        int64_t dim, float eps, int gemma) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    int64_t per_group = (rows + threads - 1) / threads;
+    if (per_group > 16) per_group = 16;
+    const int64_t groups = (rows + per_group - 1) / per_group;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * per_group;
+        const int nr = (int)(rows - r0 < per_group ? rows - r0 : per_group);
+        float ss[16];
+        if (h && post_w) {
+            sum_squares_rows(h + r0 * dim, dim, nr, dim, ss);
+            for (int j = 0; j < nr; j++)
+                norm_scale_row(h + (r0 + j) * dim, inv_rms(ss[j], dim, eps), post_w, dim, gemma, h + (r0 + j) * dim);
+        }
+        if (h)
+            for (int64_t r = r0; r < r0 + nr; r++) {
+                bf16 *xr = x + r * dim;
+                const bf16 *hr = h + r * dim;
+#ifdef SD_AVX512
+                for (int64_t i = 0; i < dim; i += 16) {
+                    const __mmask16 lanes = (__mmask16)(dim - i >= 16 ? 0xffffu : (1u << (dim - i)) - 1);
+                    const __m512 sum = _mm512_add_ps(load_bf16x16_masked(xr + i, lanes), load_bf16x16_masked(hr + i, lanes));
+                    _mm256_mask_storeu_epi16(xr + i, lanes, f2bf_x16(sum));
+                }
+#else
+                for (int64_t i = 0; i < dim; i++) xr[i] = f2bf(bf2f(xr[i]) + bf2f(hr[i]));
+#endif
+            }
+        sum_squares_rows(x + r0 * dim, dim, nr, dim, ss);
+        for (int j = 0; j < nr; j++)
+            norm_scale_row(x + (r0 + j) * dim, inv_rms(ss[j], dim, eps), w, dim, gemma, out + (r0 + j) * dim);
     }
 }
 
@@ -1857,7 +1919,7 @@ static void add_rmsnorm(bf16 *x, const bf16 *h, const bf16 *post_w, const bf16 *
 
 /* qkv [rows, H + 2 Hkv, D] from the fused projection. Queries go to q_out [rows, H, D]; keys and values are
  * written into the cache at (slot of the row's sequence, cache_pos[row]). cos/sin [rows, D/2] in fp32
- * (rotate-half convention of Hugging Face checkpoints). Work-shared over rows; scratch: 2 * D floats per thread. */
+ * (rotate-half convention of Hugging Face checkpoints). Work-shared over rows; scratch: D / 2 floats per thread. */
 /* Key panels: a copy of each layer's key cache laid out as the panel attention reads it, kept up to date as
  * keys are stored, so that attention need not transpose every key of the context at every step (which took
  * most of a decoding step's attention: SmolLM2 native, 8 sequences of 2,000 tokens, 44 -> 18 ms of layers
@@ -1891,8 +1953,7 @@ static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm
                        int64_t T, bf16 *k_cache, bf16 *v_cache, uint32_t *k_panels, int64_t rows, int64_t H,
                        int64_t Hkv, int64_t D, int64_t max_len, bf16 *q_out, float *scratch) {
     const int64_t half = D / 2, heads = H + 2 * Hkv;
-    float *v = scratch;
-    bf16 *normed = (bf16 *)(scratch + D);
+    bf16 *normed = (bf16 *)scratch;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_t + r * half, *s = sin_t + r * half;
@@ -1901,8 +1962,7 @@ static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm
             const bf16 *src = qkv + (r * heads + hh) * D;
             const bf16 *norm_w = hh < H ? q_norm_w : k_norm_w;
             if (norm_w) {
-                for (int64_t i = 0; i < D; i++) v[i] = bf2f(src[i]);
-                rmsnorm_row(v, norm_w, D, eps, gemma, normed);
+                norm_scale_row(src, inv_rms(sum_squares_row(src, D), D, eps), norm_w, D, gemma, normed);
                 src = normed;
             }
             bf16 *dst = hh < H ? q_out + (r * H + hh) * D
@@ -2027,7 +2087,10 @@ static void attention_finish(float *scores, int64_t stride, float *live_p, const
                 const __m512 v = _mm512_maskz_loadu_ps(lanes, s + k);
                 const __mmask16 live = lanes & _mm512_cmp_ps_mask(v, minus_inf, _CMP_NEQ_OQ);
                 const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, vb)));
-                _mm512_mask_compressstoreu_ps(live_p + n_live, live, p);
+                /* compressed in a register and stored whole: the lanes past n_live are overwritten by the next
+                 * store or never read, and k + 16 <= stride. (A compressing store to memory is microcoded on
+                 * AMD Zen 4: a 32-token block's attention took 40% longer with it.) */
+                _mm512_storeu_ps(live_p + n_live, _mm512_maskz_compress_ps(live, p));
                 n_live += __builtin_popcount(live);
                 if (live) {
                     if (first[j] == key_len) first[j] = k + __builtin_ctz(live);
@@ -2364,7 +2427,7 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     const int64_t rows = B * T, dim = mdl->dim, H = mdl->heads, Hkv = mdl->kv_heads, D = mdl->head_dim;
     const int64_t I = mdl->inter, qkv_width = (H + 2 * Hkv) * D;
     const int64_t widest = max64(max64(qkv_width, 2 * I), dim);
-    const int64_t per_thread = key_len + 3 * D + 3 * dim;
+    const int64_t per_thread = key_len + 3 * D; /* attention_for's, or rope_store's D / 2 */
     bf16 *buf = malloc((size_t)rows * (size_t)(widest + 2 * H * D + I + dim) * sizeof(bf16));
     /* xf: a dense linear layer's input widened to fp32; qbuf: a GGUF-native layer's input as integers */
     const int64_t qfloats = q_scratch_floats(rows, max64(widest, I));
@@ -2384,7 +2447,7 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
 #else
         float *scratch = fbuf;
 #endif
-        add_rmsnorm(x, NULL, NULL, layers[0].attn_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+        add_rmsnorm(x, NULL, NULL, layers[0].attn_norm, normed, rows, dim, mdl->eps, mdl->gemma);
         for (int64_t l = 0; l < num_layers; l++) {
             const sd_layer *L = &layers[l];
             const float *mask = L->sliding ? mask_sliding : mask_full;
@@ -2410,12 +2473,12 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
                           mdl->scale, mdl->softcap, att, scratch);
 #endif
             layer_linear(att, L->wo, L->wo_scale, L->wo_fmt, NULL, h, rows, dim, H * D, xf, qbuf);
-            add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+            add_rmsnorm(x, h, L->post_attn_norm, L->mlp_norm, normed, rows, dim, mdl->eps, mdl->gemma);
             layer_linear(normed, L->w_gate_up, L->w_gate_up_scale, L->w_gate_up_fmt, NULL, wide, rows, 2 * I, dim, xf,
                          qbuf);
             act_mul_for(wide, act, rows, I, mdl->gelu);
             layer_linear(act, L->w_down, L->w_down_scale, L->w_down_fmt, NULL, h, rows, dim, I, xf, qbuf);
-            add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma, scratch);
+            add_rmsnorm(x, h, L->post_mlp_norm, next_norm, normed, rows, dim, mdl->eps, mdl->gemma);
             if (capture_at && capture_at[l] >= 0) {
 #pragma omp single
                 memcpy(captured + capture_at[l] * rows * dim, x, (size_t)(rows * dim) * sizeof(bf16));
