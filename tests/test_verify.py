@@ -24,7 +24,7 @@ from specdraft.verify import (
     rejection_verify,
     sample,
 )
-from specdraft.verify.greedy import argmax
+from specdraft.verify.greedy import argmax, topk_indices
 from specdraft.verify.rejection import one_hot_probs, pad_vocab
 
 VOCAB = 8
@@ -301,18 +301,36 @@ def test_greedy_rejects_bad_shapes():
         greedy_verify(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 6))
 
 
+@pytest.mark.parametrize("vocab", [4099, 4096])  # whole chunks (two-stage) or not (torch's argmax)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_argmax_gives_torchs_indices_ties_and_nan_included(dtype):
+def test_argmax_gives_torchs_indices_ties_and_nan_included(dtype, vocab):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 3, 4099, generator=g).to(dtype)
-    logits[0, 0, [7, 900, 4000]] = 50.0  # ties: the first one wins
-    logits[1, 1, 10] = float("nan")  # NaN counts as the maximum
+    logits = torch.randn(7, 3, vocab, generator=g).to(dtype)
+    logits[0, 0, [7, 900, 4000]] = 50.0  # ties in three chunks: the first one wins
+    logits[0, 1, [300, 260]] = 50.0  # and inside a chunk
+    logits[1, 1, [3000, 10]] = float("nan")  # NaN counts as the maximum, the first NaN
     logits[2, 2] = float("-inf")
     logits[3, 0, 5] = float("inf")
+    logits[4, 2, 4095] = 60.0  # the last entry of the last chunk
+    logits[5] = torch.randint(-2, 3, (3, vocab), generator=g).to(dtype)  # ties everywhere
     got = argmax(logits)
     assert got.dtype == torch.long
     assert torch.equal(got, logits.argmax(-1))
-    assert got[0, 0] == 7 and got[1, 1] == 10 and got[3, 0] == 5
+    assert got[0, 0] == 7 and got[0, 1] == 260 and got[1, 1] == 10 and got[3, 0] == 5 and got[4, 2] == 4095
+
+
+@pytest.mark.parametrize("vocab", [4099, 4096])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_topk_indices_give_torchs_values_best_first(vocab, k):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 2, vocab, generator=g).to(torch.bfloat16)
+    logits[0, 0, torch.arange(k) * 128] = 40.0 + torch.arange(k).flip(0).to(torch.bfloat16)  # one per chunk
+    logits[1, 1, 200:200 + k] = 40.0  # all in one chunk, tied
+    logits[2] = torch.randint(-2, 3, (2, vocab), generator=g).to(torch.bfloat16)  # ties everywhere
+    got = topk_indices(logits, k)
+    assert got.shape == (5, 2, k) and len(set(got[3, 0].tolist())) == k
+    assert torch.equal(logits.gather(-1, got), logits.float().topk(k, dim=-1).values.to(logits.dtype))
+    assert got[0, 0].tolist() == (torch.arange(k) * 128).tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -43,17 +43,46 @@ def greedy_verify(
     return accepted_len, target_argmax
 
 
+# Vocabulary chunk of the two-stage reductions below.
+CHUNK = 128
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1), the same indices (first maximum; NaN counts as the maximum): on CPU through fp32,
-    which is exact for bf16 and fp16 and about 3x faster than torch's half-precision reduction there (a
-    49,152-token vocabulary: 60 against 177 us a row), a few percent of a decoding step."""
-    return _for_reduction(logits).argmax(-1)
+    """logits.argmax(-1), the same indices (first maximum; NaN counts as the maximum).
+
+    On CPU, torch's argmax walks a row element by element (about 40 us for a 49,152-token row, 0.22 ms for an
+    8-token block: 2-3% of a verification step), while its max is vectorized. So: each chunk's maximum, the
+    first chunk holding the row's maximum, then the first maximum inside it, which is the row's first maximum
+    (a NaN is the maximum of its chunk, so the first NaN is found the same way). Half-precision logits go
+    through fp32, which is exact."""
+    x = _for_reduction(logits)
+    if not _chunked(x, 1):
+        return x.argmax(-1)
+    chunks = x.reshape(-1, x.shape[-1] // CHUNK, CHUNK)
+    best_chunk = chunks.amax(-1).argmax(-1)
+    within = chunks[torch.arange(chunks.shape[0]), best_chunk].argmax(-1)
+    return (best_chunk * CHUNK + within).reshape(x.shape[:-1])
 
 
 def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """logits.topk(k, dim=-1).indices, best first; on CPU through fp32, as `argmax` (torch's half-precision
-    top-k is slower still than its argmax)."""
-    return _for_reduction(logits).topk(k, dim=-1).indices
+    """logits.topk(k, dim=-1).indices, best first (among equal logits, in no guaranteed order, as torch's).
+
+    Two-stage on CPU, as `argmax`: the k best entries of a row lie in the k chunks with the largest maxima (a
+    chunk outside them has k entries at least as large elsewhere), so only those k chunks are ranked."""
+    x = _for_reduction(logits)
+    if not _chunked(x, k):
+        return x.topk(k, dim=-1).indices
+    chunks = x.reshape(-1, x.shape[-1] // CHUNK, CHUNK)
+    top_chunks = chunks.amax(-1).topk(k, dim=-1).indices                                   # [R, k]
+    candidates = chunks.gather(1, top_chunks[..., None].expand(-1, -1, CHUNK)).flatten(1)  # [R, k * CHUNK]
+    best = candidates.topk(k, dim=-1).indices
+    indices = top_chunks.gather(1, best // CHUNK) * CHUNK + best % CHUNK
+    return indices.reshape(*x.shape[:-1], k)
+
+
+def _chunked(x: torch.Tensor, k: int) -> bool:
+    """Whether the two-stage reductions apply: CPU, a vocabulary of more than k whole chunks."""
+    return x.device.type == "cpu" and x.dim() > 0 and x.shape[-1] % CHUNK == 0 and x.shape[-1] // CHUNK > k
 
 
 def _for_reduction(logits: torch.Tensor) -> torch.Tensor:
