@@ -52,7 +52,7 @@ from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
-from specdraft.verify.greedy import topk_indices
+from specdraft.verify.greedy import for_reduction, topk_indices
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -367,6 +367,7 @@ class Engine:
         t1 = time.perf_counter()
         logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
                                                        [1 + len(p) for p in proposals])
+        logits = for_reduction(logits)  # once (exact): verification and the drafter's top-k both reduce these
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
                                          logits, [r.params for r in requests], [r.generator for r in requests],
                                          [p.parents for p in proposals])

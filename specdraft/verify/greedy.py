@@ -55,7 +55,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     first chunk holding the row's maximum, then the first maximum inside it, which is the row's first maximum
     (a NaN is the maximum of its chunk, so the first NaN is found the same way). Half-precision logits go
     through fp32, which is exact."""
-    x = _for_reduction(logits)
+    x = for_reduction(logits)
     if not _chunked(x, 1):
         return x.argmax(-1)
     chunks = x.reshape(-1, x.shape[-1] // CHUNK, CHUNK)
@@ -69,7 +69,7 @@ def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
 
     Two-stage on CPU, as `argmax`: the k best entries of a row lie in the k chunks with the largest maxima (a
     chunk outside them has k entries at least as large elsewhere), so only those k chunks are ranked."""
-    x = _for_reduction(logits)
+    x = for_reduction(logits)
     if not _chunked(x, k):
         return x.topk(k, dim=-1).indices
     chunks = x.reshape(-1, x.shape[-1] // CHUNK, CHUNK)
@@ -85,7 +85,7 @@ def _chunked(x: torch.Tensor, k: int) -> bool:
     return x.device.type == "cpu" and x.dim() > 0 and x.shape[-1] % CHUNK == 0 and x.shape[-1] // CHUNK > k
 
 
-def _for_reduction(logits: torch.Tensor) -> torch.Tensor:
+def for_reduction(logits: torch.Tensor) -> torch.Tensor:
     """fp32 on CPU for half-precision logits (exact, and faster to reduce there); as they are otherwise."""
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         return logits.float()
