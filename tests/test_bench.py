@@ -41,6 +41,7 @@ from specdraft.bench.specbench import (
     method_tree,
     parse_methods,
     run_suite,
+    shared_cache,
     warm_up,
 )
 from specdraft.bench.suite import (
@@ -423,6 +424,25 @@ def test_parse_methods_and_peers():
         parse_peers("vllm")
 
 
+def test_the_drafters_that_remember_across_requests_say_so():
+    """The benchmark rewinds what a drafter remembers across requests through its `memory`: the real
+    drafters must expose it (and the others nothing), or a repeat would be drafted from its own answer."""
+    from types import SimpleNamespace
+
+    from tiny_models import recycle_drafter
+
+    from specdraft.drafters.ngram import NgramDrafter
+    from specdraft.drafters.suffix import SuffixDrafter
+
+    def method(drafter):
+        return SimpleNamespace(engine=SimpleNamespace(drafter=drafter))
+
+    suffix, recycle = SuffixDrafter(), recycle_drafter()
+    assert shared_cache(method(suffix)) is suffix.cache
+    assert shared_cache(method(recycle)) is recycle.recycled
+    assert shared_cache(method(NgramDrafter())) is None and shared_cache(method(None)) is None
+
+
 def test_repeats_of_a_prompt_start_from_the_same_suffix_cache():
     """A suffix-cache method must not draft a repeat from its own earlier answer to the same prompt: every
     repeat of a question sees the cache as the first repeat did, and later questions see all earlier ones."""
@@ -433,7 +453,8 @@ def test_repeats_of_a_prompt_start_from_the_same_suffix_cache():
     class CachingMethod(FakeMethod):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.engine = SimpleNamespace(drafter=SimpleNamespace(cache=SuffixCache()))
+            cache = SuffixCache()
+            self.engine = SimpleNamespace(drafter=SimpleNamespace(cache=cache, memory=cache))
             self.seen: list[int] = []
 
         def run(self, prompt_ids, params):
@@ -461,7 +482,8 @@ def test_recycled_predictions_reset_for_repeats_and_after_the_warm_up():
     class RecyclingMethod(FakeMethod):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.engine = SimpleNamespace(drafter=SimpleNamespace(recycled=RecycledPredictions()))
+            recycled = RecycledPredictions()
+            self.engine = SimpleNamespace(drafter=SimpleNamespace(recycled=recycled, memory=recycled))
             self.seen: list[int] = []
 
         def run(self, prompt_ids, params):

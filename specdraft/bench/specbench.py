@@ -273,15 +273,9 @@ def warm_up(methods: Sequence, questions: Sequence[Question], build: PromptBuild
 
 def shared_cache(method):
     """What a method's drafter remembers across requests (`suffix`'s cache of earlier requests, `recycle`'s
-    recycled predictions), if anything: an object with `snapshot()` and `restore(snapshot)`."""
-    from specdraft.drafters.recycle import RecycledPredictions
-    from specdraft.drafters.suffix import SuffixCache
-
+    recycled predictions), if anything: its `memory` (see `Drafter`), with `snapshot()` and `restore()`."""
     drafter = getattr(getattr(method, "engine", None), "drafter", None)
-    for memory in (getattr(drafter, "cache", None), getattr(drafter, "recycled", None)):
-        if isinstance(memory, (SuffixCache, RecycledPredictions)):
-            return memory
-    return None
+    return getattr(drafter, "memory", None)
 
 
 def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable, params: SamplingParams,

@@ -131,7 +131,10 @@ class Verified:
 
 class Drafter(Protocol):
     """A drafter may also set `target_topk = k` (absent: 0): `observe` then receives the target's top k
-    next tokens at every scored token (`Verified.target_topk`), for the price of a top-k over the logits."""
+    next tokens at every scored token (`Verified.target_topk`), for the price of a top-k over the logits.
+    One that remembers across requests exposes that state as `memory` (absent: None), an object with
+    `snapshot()` and `restore(snapshot)`: a benchmark rewinds it so that no prompt is drafted from its own
+    earlier run."""
 
     name: str
     # Target layers whose hidden states `add_request` and `observe` receive (-1: the final-normed output).

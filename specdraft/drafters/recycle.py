@@ -244,6 +244,11 @@ class RecycleDrafter:
         self.recycled = RecycledPredictions(capacity)
         self._indexes: dict[int, NgramIndex] = {}
 
+    @property
+    def memory(self) -> RecycledPredictions:
+        """What it remembers across requests (see `Drafter`)."""
+        return self.recycled
+
     # ------------------------------------------------------------------ the drafter interface
 
     def add_request(self, request: DraftRequest) -> None:

@@ -113,6 +113,11 @@ class SuffixDrafter(NgramDrafter):
         self.cache = cache if cache is not None else SuffixCache(max_tokens, cache_min_n, cache_max_n,
                                                                  max_occurrences)
 
+    @property
+    def memory(self) -> SuffixCache:
+        """What it remembers across requests (see `Drafter`)."""
+        return self.cache
+
     def _propose_one(self, index: NgramIndex, context: Sequence[int], max_k: int, budget: int | None) -> Proposal:
         # Both sources' candidates, best first; sorting is stable, so the request's own win ties.
         found = sorted(index.continuations(max_k) + self.cache.continuations(context, max_k),
