@@ -9,7 +9,7 @@ from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_residual_verify
 from tiny_models import ToyTokenizer, tiny_model
 
 import specdraft.verify.batch as verify_batch_module
-from specdraft.drafters.base import DraftRequest
+from specdraft.drafters.base import DraftRequest, Proposal
 from specdraft.drafters.cross_tokenizer import (
     CrossTokenizerDrafter,
     common_prefix,
@@ -61,8 +61,9 @@ def toy_drafter(draft_model, max_batch: int = 1, max_len: int = 256) -> CrossTok
                                  ToyTokenizer(VOCAB), name="draft:pairs")
 
 
-def engine(target, drafter=None, k=4, max_batch=1, max_len=256):
-    return Engine(target, ToyTokenizer(VOCAB), drafter, k, FIXED, max_model_len=max_len, max_batch=max_batch)
+def engine(target, drafter=None, k=4, max_batch=1, max_len=256, tree=0):
+    return Engine(target, ToyTokenizer(VOCAB), drafter, k, FIXED, max_model_len=max_len, max_batch=max_batch,
+                  tree=tree)
 
 
 @pytest.fixture(scope="module")
@@ -170,15 +171,33 @@ def test_text_without_spaces_is_re_encoded_a_bounded_tail_at_a_time(pair_draft):
 # ------------------------------------------------------------------------------------- lossless output
 
 
-def test_greedy_output_is_identical_to_plain(target, pair_draft):
+@pytest.mark.parametrize("tree", [0, 8])
+def test_greedy_output_is_identical_to_plain(target, pair_draft, tree):
     params = SamplingParams(temperature=0, max_tokens=30)
     plain = engine(target)
-    spec = engine(target, toy_drafter(pair_draft, max_batch=3), k=4, max_batch=3)
+    spec = engine(target, toy_drafter(pair_draft, max_batch=3), k=4, max_batch=3, tree=tree)
     prompts = [[1, 2], [5, 5, 9, 0], [14, 3, 3, 7, 11, 2]]
     expected = [plain.generate(p, params).token_ids for p in prompts]
     assert [r.token_ids for r in spec.generate_many(prompts, [params] * 3)] == expected
     assert [spec.generate(p, params).token_ids for p in prompts] == expected  # one at a time, slots reused
     assert spec.totals.drafted > 0
+    assert (spec.totals.tree_rounds > 0) == (tree > 0)
+
+
+def test_a_draft_tree_becomes_a_trie_of_target_tokens(target, pair_draft):
+    """Each leaf of the draft's tree is read as text and re-encoded for the target; shared beginnings merge,
+    siblings are distinct, the draft's best path comes first, and the budget and depth hold."""
+    from specdraft.drafters.base import ROOT
+
+    drafter = toy_drafter(pair_draft)
+    # Draft ids: 16 'ab', 17 'cd', 18 'ef', 13 'c', 11 'e'. Leaves: 'ab'+'cd' (the first children), 'ab'+'c',
+    # 'ef'. Each path is cut before its last target letter (the word may go on).
+    draft = Proposal([16, 18, 17, 13], parents=[ROOT, ROOT, 0, 0])
+    tree = drafter._tree_to_target([3, 7], [5], draft, max_k=5, max_nodes=8)
+    assert tree.tokens == [0, 1, 2, 4] and tree.parents == [ROOT, 0, 1, ROOT]  # 'abc', then 'e' off the root
+    assert len(set(t for t, p in zip(tree.tokens, tree.parents) if p == ROOT)) == 2
+    small = drafter._tree_to_target([3, 7], [5], draft, max_k=2, max_nodes=3)
+    assert small.tokens == [0, 1, 4] and small.parents == [ROOT, 0, ROOT]
 
 
 def test_a_draft_equal_to_the_target_is_accepted_through_the_text_round_trip(target):
@@ -198,6 +217,17 @@ def one_hot_broken_verify(draft_tokens, draft_probs, target_probs, generator=Non
     if draft_probs is None:
         draft_probs = one_hot_probs(draft_tokens, target_probs.shape[-1])
     return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
+
+
+def test_sampled_trees_match_the_target_distribution(target, pair_draft):
+    """As below, with the draft's trees turned into target tries of up to 7 nodes (verified after the
+    prefill's token by the multi-candidate rule for one-hot drafts)."""
+    params = SamplingParams(temperature=1.0)
+    spec = engine(target, toy_drafter(pair_draft, max_batch=BATCH, max_len=64), k=3, max_batch=BATCH, max_len=64,
+                  tree=7)
+    ok, p_value, tv = matches(sample_joint(spec, params, NUM_SAMPLES), exact_joint(target, params))
+    assert spec.totals.tree_rounds > NUM_SAMPLES // 2 and 0 < spec.totals.accepted < spec.totals.drafted
+    assert ok, f"cross-tokenizer tree sampling differs from the target (p={p_value:.2e}, TV={tv:.4f})"
 
 
 @pytest.mark.parametrize("broken", [False, True])

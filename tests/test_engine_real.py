@@ -76,10 +76,13 @@ def test_every_drafter_matches_plain_greedy(model_name, dtype, dev_prompts):
     print("\n".join(report) or f"{model_name} {dtype}: all outputs identical")
 
 
-@pytest.mark.parametrize("target_name,draft_name", [("gemma3-270m", "smollm2-135m"), ("smollm2-135m", "gemma3-270m")])
-def test_a_draft_with_another_tokenizer_matches_plain_greedy(target_name, draft_name, dev_prompts):
+@pytest.mark.parametrize("target_name,draft_name,tree", [("gemma3-270m", "smollm2-135m", 0),
+                                                         ("smollm2-135m", "gemma3-270m", 0),
+                                                         ("gemma3-270m", "smollm2-135m", 8)])
+def test_a_draft_with_another_tokenizer_matches_plain_greedy(target_name, draft_name, tree, dev_prompts):
     """Gemma's 262k SentencePiece vocabulary and SmolLM2's 49k byte-level BPE share no ids: the draft reads
-    the target's text in its own tokens, and its text comes back as target tokens (cross_tokenizer.py)."""
+    the target's text in its own tokens, and its text comes back as target tokens (cross_tokenizer.py), as
+    chains or as the draft's trees merged into tries of target tokens."""
     from specdraft.drafters.cross_tokenizer import CrossTokenizerDrafter
 
     target = load_model(target_name, dtype="bf16", progress=False)
@@ -89,10 +92,11 @@ def test_a_draft_with_another_tokenizer_matches_plain_greedy(target_name, draft_
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     ids = encode(tokenizer, spread(dev_prompts, 3)[1])
     expected = Engine(target, tokenizer, None, 0).generate(ids, params).token_ids
-    engine = Engine(target, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024)
+    engine = Engine(target, tokenizer, drafter, 4, AdaptiveConfig(enabled=False), max_model_len=1024, tree=tree)
     assert engine.generate(ids, params).token_ids == expected
     stats = engine.totals
-    print(f"{target_name} <- draft:{draft_name}: acceptance {stats.acceptance_rate:.2f}, "
+    assert (stats.tree_rounds > 0) == (tree > 0)
+    print(f"{target_name} <- draft:{draft_name}, trees of {tree}: acceptance {stats.acceptance_rate:.2f}, "
           f"mean accepted length {stats.mean_accepted_length:.2f}")
     # Two related small models agree on much of a continuation; zero would mean the text round trip is broken.
     assert stats.drafted > 0 and stats.accepted > 0

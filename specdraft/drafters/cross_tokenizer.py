@@ -13,6 +13,12 @@ probabilities are not used even when the request samples: verifying over the int
 vocabularies would need a one-to-one map of tokens with equal text, and SmolLM2's 49k byte-level BPE and
 Gemma's 262k SentencePiece vocabulary tokenize the same text into different pieces most of the time.
 
+Trees (the engine's `tree`): the draft grows its own top-k tree (`ModelDrafter`, EAGLE-2 style) with twice the
+target's node budget, since several of its paths read as the same target tokens; each leaf's path goes
+through text as a chain's does, and the paths merge into one trie of target tokens, the draft's best path
+first (`tree_from_continuations`). Siblings are distinct target tokens, each a deterministic function of
+the context, so the multi-candidate rule for one-hot drafts keeps the target's law.
+
 Boundary cases, each tested in tests/test_cross_tokenizer.py:
 - partial words: the target's last committed token may be half a word; the draft context holds the target
   text up to the last word boundary as stable draft ids and re-encodes the unfinished word every round, so
@@ -33,8 +39,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdraft.drafters.base import DraftRequest, Proposal, Verified, common_prefix
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix, node_budgets
 from specdraft.drafters.draft_model import ModelDrafter
+from specdraft.drafters.ngram import tree_from_continuations
 from specdraft.runtime.tokenizer import StreamDecoder, Tokenizer
 from specdraft.verify.sampling import SamplingParams
 
@@ -88,9 +95,12 @@ class CrossTokenizerDrafter:
 
     def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
                 max_nodes: Sequence[int] | None = None) -> list[Proposal]:
-        """Chains only (a tree would need the draft's branches mapped token by token)."""
+        """Chains, and trees for requests given more nodes than depth: the draft grows its own tree, each of
+        its leaves' paths becomes target tokens through text, and the paths are merged into one trie (its
+        siblings are distinct tokens, each a deterministic function of the context: one-hot drafts still)."""
+        budgets = node_budgets(self, request_ids, max_nodes)
         out = [Proposal([]) for _ in request_ids]
-        rows, draft_contexts, draft_ks = [], [], []
+        rows, draft_contexts, draft_ks, draft_nodes = [], [], [], []
         for i, (rid, context, k) in enumerate(zip(request_ids, contexts, max_ks)):
             state = self._states[rid]
             self._advance(state, context)
@@ -103,11 +113,17 @@ class CrossTokenizerDrafter:
             rows.append(i)
             draft_contexts.append(draft_context)
             draft_ks.append(min(math.ceil((k + 1) / state.ratio), math.ceil(MAX_DRAFT_PER_TARGET * (k + 1))))
+            budget = budgets[i]
+            draft_nodes.append(max(2 * budget, draft_ks[-1] + 1) if budget is not None and budget > k else draft_ks[-1])
         if not rows:
             return out
-        drafts = self.draft.propose([request_ids[i] for i in rows], draft_contexts, draft_ks)
+        drafts = self.draft.propose([request_ids[i] for i in rows], draft_contexts, draft_ks, draft_nodes)
         for i, draft_context, draft in zip(rows, draft_contexts, drafts):
             state = self._states[request_ids[i]]
+            if not draft.is_chain:  # the draft's cache holds the context only: the tree's keys were dropped
+                state.fed = list(draft_context)
+                out[i] = self._tree_to_target(contexts[i], draft_context, draft, max_ks[i], budgets[i])
+                continue
             state.fed = draft_context + draft.tokens
             tokens = self._to_target(contexts[i], draft_context, draft.tokens)
             if draft.tokens and tokens:
@@ -132,6 +148,30 @@ class CrossTokenizerDrafter:
         if not state.pending:
             return list(state.stable_ids)
         return state.stable_ids + self.draft_tokenizer.encode(state.pending, add_special_tokens=False)
+
+    def _tree_to_target(self, context: Sequence[int], draft_context: Sequence[int], draft: Proposal, max_k: int,
+                        max_nodes: int) -> Proposal:
+        """The draft's tree in target tokens: each leaf's path through text (an inner node's text is a prefix
+        of its leaves'), the draft's own best path first (first children all the way), merged by
+        `tree_from_continuations` into at most `max_nodes` nodes, `max_k` deep."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(draft.parents):
+            children.setdefault(parent, []).append(node)
+        best, node = [], ROOT
+        while node in children:
+            node = children[node][0]
+            best.append(node)
+        leaves = [best[-1]] + [n for n in range(len(draft.tokens)) if n not in children and n != best[-1]]
+        paths = []
+        for leaf in leaves:
+            path, node = [], leaf
+            while node != ROOT:
+                path.append(draft.tokens[node])
+                node = draft.parents[node]
+            tokens = self._to_target(context, draft_context, path[::-1])[:max_k]
+            if tokens:
+                paths.append((tokens, 1.0))
+        return tree_from_continuations(paths, max_nodes)
 
     def _to_target(self, context: Sequence[int], draft_context: Sequence[int], draft_tokens: list[int]) -> list[int]:
         """The drafted continuation as target tokens that follow `context`."""
