@@ -1902,7 +1902,8 @@ static void add_rmsnorm(bf16 *x, bf16 *h, const bf16 *post_w, const bf16 *w, bf1
 #ifdef SD_AVX512
                 for (int64_t i = 0; i < dim; i += 16) {
                     const __mmask16 lanes = (__mmask16)(dim - i >= 16 ? 0xffffu : (1u << (dim - i)) - 1);
-                    const __m512 sum = _mm512_add_ps(load_bf16x16_masked(xr + i, lanes), load_bf16x16_masked(hr + i, lanes));
+                    const __m512 sum = _mm512_add_ps(load_bf16x16_masked(xr + i, lanes),
+                                                     load_bf16x16_masked(hr + i, lanes));
                     _mm256_mask_storeu_epi16(xr + i, lanes, f2bf_x16(sum));
                 }
 #else
