@@ -1,6 +1,7 @@
-"""Cascades (`cascade:ngram,B`): the draft model checks n-gram guesses of its own continuation several per
-forward. Its chains must be exactly what it drafts alone (greedy: the same tokens; sampling: the same law,
-tested statistically, with a planted bug the test must catch), for fewer draft forwards."""
+"""Cascades (`cascade:A,B`): the draft model B checks guesses of its own continuation several per forward, from
+n-gram lookup or from a cheaper draft model A. Its chains must be exactly what it drafts alone (greedy: the
+same tokens; sampling: the same law, tested statistically, with a planted bug the test must catch), for
+fewer draft forwards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tiny_models import ToyTokenizer, tiny_model
 import specdraft.drafters.draft_model as draft_model_module
 from specdraft.drafters import make_drafter, split_drafter_list
 from specdraft.drafters.base import DraftRequest
-from specdraft.drafters.draft_model import ModelDrafter
+from specdraft.drafters.draft_model import ModelDrafter, ModelGuesser
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
@@ -44,12 +45,16 @@ def count_forwards(model) -> list[int]:
     return calls
 
 
-def test_greedy_cascade_drafts_the_same_chains_in_fewer_forwards(target):
+@pytest.mark.parametrize("first", ["ngram", "model"])
+def test_greedy_cascade_drafts_the_same_chains_in_fewer_forwards(target, first):
     params = SamplingParams(temperature=0, max_tokens=60)
     prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 9, 5, 9, 5], [14, 3, 3, 7, 11, 2]]
     expected = [Engine(target, ToyTokenizer(VOCAB), None, 0).generate(p, params).token_ids for p in prompts]
+    # A model first stage: a copy of the same weights, so its greedy guesses are the draft's own choices.
+    first_stage = (NgramDrafter() if first == "ngram"
+                   else ModelGuesser(ModelDrafter(tiny_model(seed=0, vocab=VOCAB), max_len=256)))
     runs = {}
-    for name, guesser in (("alone", None), ("cascade", NgramDrafter())):
+    for name, guesser in (("alone", None), ("cascade", first_stage)):
         # The target's own weights (their own copy: the forward counter is per model): greedy drafts then
         # follow the target's output, which falls into the loops the n-gram guesses catch.
         draft = tiny_model(seed=0, vocab=VOCAB)
@@ -105,6 +110,22 @@ def sample_chains(drafter: ModelDrafter, context: list[int], params: SamplingPar
     return counts
 
 
+def test_sampled_cascade_chains_with_a_model_first_stage_follow_the_drafts_own_law(draft):
+    """As below, the guesses coming from a draft model (a copy of the draft's weights, guessing greedily: the
+    draft's sampled token confirms the guess with the probability of its most likely token)."""
+    params = SamplingParams(temperature=1.0)
+    context = guessed_context(draft, params)
+    guesser = ModelGuesser(ModelDrafter(tiny_model(seed=1, vocab=VOCAB), max_len=64, max_batch=BATCH))
+    guesses = []
+    guess = guesser.guess
+    guesser.guess = lambda *args: guesses.append(guess(*args)) or guesses[-1]
+    drafter = ModelDrafter(draft, max_len=64, max_batch=BATCH, guesser=guesser)
+    samples = NUM_SAMPLES // 2
+    ok, p_value, tv = matches(sample_chains(drafter, context, params, samples), exact_chain_law(draft, context, params))
+    assert sum(1 for g in guesses if g) >= samples  # every chain's first step checked a guess
+    assert ok, f"cascade chains with a model guesser differ from the draft's law (p={p_value:.2e}, TV={tv:.4f})"
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_sampled_cascade_chains_follow_the_drafts_own_law(draft, monkeypatch, broken):
     """20,000 two-token chains from one context: the joint law is the draft's own. The planted bug keeps
@@ -144,7 +165,10 @@ def test_cascade_specs():
     drafter = make_drafter("cascade:ngram:4,self:1", target, ToyTokenizer(VOCAB), max_len=64)
     assert isinstance(drafter, ModelDrafter) and drafter.guesser.max_n == 4
     assert drafter.name == "cascade:ngram:4,self:1"
+    drafter = make_drafter("cascade:quant:int4,quant:int8", target, ToyTokenizer(VOCAB), max_len=64)
+    assert isinstance(drafter.guesser, ModelGuesser) and drafter.guesser.model.name != drafter.name
     for bad, match in (("cascade:self:1", "a cascade is"), ("cascade:suffix,self:1", "first stage"),
-                       ("cascade:ngram,ngram", "second stage"), ("cascade:ngram,", "a cascade is")):
+                       ("cascade:ngram,ngram", "second stage"), ("cascade:ngram,", "a cascade is"),
+                       ("cascade:recycle,quant:int8", "first stage")):
         with pytest.raises(SpecdraftError, match=match):
             make_drafter(bad, target, ToyTokenizer(VOCAB), max_len=64)

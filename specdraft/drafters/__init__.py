@@ -10,11 +10,12 @@ from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 
 DRAFTER_HELP = ("auto | ngram | suffix | recycle[:TABLE_DIR|none] | quant:int4 | quant:int8 | self:N | "
-                "eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | draft:MODEL_REF | MODEL_REF | cascade:ngram,B | "
+                "eagle[:HEAD_DIR] | medusa[:HEADS_DIR] | draft:MODEL_REF | MODEL_REF | cascade:A,B | "
                 "hybrid:ngram,B (eagle / medusa alone: the head shipped for the target; recycle: n-gram lookup, "
                 "the target's recycled top-k and the n-gram table shipped for the target (or TABLE_DIR) as one "
                 "tree; auto: the shipped head that measured fastest, else ngram; draft:MODEL_REF may use "
-                "another tokenizer; cascade: the model drafter B checks n-gram guesses of its own drafts; hybrid: "
+                "another tokenizer; cascade: the model drafter B checks guesses of its own drafts from A (ngram or "
+                "a cheaper model drafter); hybrid: "
                 "n-gram lookup after a match of 2+ tokens, B elsewhere)")
 
 # Drafters made from the target's weights or features: they need the runtime's `Transformer` as the target.
@@ -24,7 +25,7 @@ WEIGHT_DRAFTERS = ("quant", "self", "eagle", "medusa")
 def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int = 4096,
                  options: dict[str, Any] | None = None, dtype: str | None = None, max_batch: int = 1) -> Drafter:
     """Build a drafter from its spec string (`auto`, `ngram`, `quant:int4`, `self:8`, `eagle[:DIR]`,
-    `medusa[:DIR]`, `draft:REF` or a model ref, `cascade:ngram,B`, `hybrid:ngram,B`) for up to `max_batch`
+    `medusa[:DIR]`, `draft:REF` or a model ref, `cascade:A,B`, `hybrid:ngram,B`) for up to `max_batch`
     concurrent requests.
     A draft model with another tokenizer drafts through text (cross_tokenizer.py).
 
@@ -149,18 +150,35 @@ def split_drafter_list(text: str) -> list[str]:
 
 def _make_cascade(spec: str, arg: str, target: Transformer, target_tokenizer: Tokenizer, max_len: int,
                   options: dict[str, Any], dtype: str | None, max_batch: int) -> Drafter:
-    """`cascade:ngram[:N],B`: the model drafter B drafts its chains checking n-gram guesses several tokens
-    per forward (draft_model.py). Options go to B."""
-    from specdraft.drafters.draft_model import ModelDrafter
+    """`cascade:A,B`: the model drafter B drafts its chains checking A's guesses several tokens per forward
+    (draft_model.py). A is `ngram[:N]` or a cheaper model drafter with the target's tokenizer (`quant:int4`
+    before `quant:int8`, say), which guesses through `ModelGuesser`. Options go to B."""
+    from specdraft.drafters.draft_model import ModelDrafter, ModelGuesser
 
-    guesser, second_spec = _ngram_pair(spec, arg, "cascade", "quant:int8",
-                                       "a lookup that can guess past uncommitted tokens", part="stage")
-    second = make_drafter(second_spec, target, target_tokenizer, max_len=max_len, options=options, dtype=dtype,
-                          max_batch=max_batch)
-    if type(second) is not ModelDrafter:
-        raise SpecdraftError(f"cascade {spec!r}: the second stage must be a draft model with the target's "
-                             "tokenizer (quant:int4, quant:int8, self:N, draft:REF), got "
-                             f"{second_spec!r}")
+    parts = [part.strip() for part in arg.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise SpecdraftError(f"bad drafter spec {spec!r}: a cascade is 'cascade:A,B' with A ngram or a model "
+                             "drafter and B a model drafter, e.g. cascade:ngram,quant:int8")
+    first_spec, second_spec = parts
+
+    def model_stage(stage_spec: str, which: str, stage_options: dict[str, Any]) -> ModelDrafter:
+        if stage_spec.partition(":")[0] in ("ngram", "suffix", "recycle", "hybrid", "cascade", "auto"):
+            drafter = None
+        else:
+            drafter = make_drafter(stage_spec, target, target_tokenizer, max_len=max_len, options=stage_options,
+                                   dtype=dtype, max_batch=max_batch)
+        if type(drafter) is not ModelDrafter:
+            raise SpecdraftError(f"cascade {spec!r}: the {which} stage must be a draft model with the target's "
+                                 "tokenizer (quant:int4, quant:int8, self:N, draft:REF)"
+                                 + (" or ngram" if which == "first" else "") + f", got {stage_spec!r}")
+        return drafter
+
+    if first_spec.partition(":")[0] == "ngram":
+        guesser, second_spec = _ngram_pair(spec, arg, "cascade", "quant:int8",
+                                           "a lookup that can guess past uncommitted tokens", part="stage")
+    else:
+        guesser = ModelGuesser(model_stage(first_spec, "first", {}))
+    second = model_stage(second_spec, "second", options)
     second.guesser, second.name = guesser, spec
     return second
 

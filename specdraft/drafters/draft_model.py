@@ -8,10 +8,11 @@ context plus draft tokens d1..d_{k-1} (d_k was sampled but never fed). `observe`
 so the next `propose` only feeds the tokens the draft has not seen: the target's correction, or d_k plus the
 bonus token after full acceptance.
 
-Cascades (`cascade:ngram,B`): a `guesser` (the n-gram drafter) speeds up the draft's own chain drafting the
-way speculation speeds up the target. Each draft step feeds the draft its next token plus the guesser's
-continuation of what it has drafted so far, in one forward; the draft samples (or takes the argmax) at every
-position and keeps the guesses up to the first one that differs from its own token, plus that token. Every
+Cascades (`cascade:A,B`): a `guesser` A (the n-gram drafter, or a cheaper draft model through
+`ModelGuesser`) speeds up the draft's own chain drafting the way speculation speeds up the target. Each
+draft step feeds the draft its next token plus the guesser's continuation of what it has drafted so far, in
+one forward; the draft samples (or takes the argmax) at every position and keeps the guesses up to the
+first one that differs from its own token, plus that token. Every
 drafted token is still an exact draw from the draft's own distribution given the tokens before it (the
 draws are made whatever the guesses are, and a guessed position is used only when all guesses before it
 were right), so the proposal and its `draft_probs` are what the draft alone would give, for fewer forwards.
@@ -25,11 +26,11 @@ keys are dropped afterwards; the next `propose` feeds the accepted tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
@@ -59,7 +60,7 @@ class ModelDrafter:
 
     def __init__(self, model: Transformer, name: str = "draft", exit_layer: int | None = None,
                  max_len: int = 4096, min_confidence: float = 0.0, share_prompt_cache: bool = False,
-                 max_batch: int = 1, guesser: NgramDrafter | None = None) -> None:
+                 max_batch: int = 1, guesser: NgramDrafter | ModelGuesser | None = None) -> None:
         """share_prompt_cache: the draft is derived from the target's weights (quantized, or its first layers),
         so the target's prompt keys/values are copied instead of running a second prefill. max_batch:
         requests drafted for at once (one slot each in the draft's cache). guesser: the first stage of a
@@ -335,3 +336,35 @@ def tokenizers_match(target: Tokenizer, draft: Tokenizer) -> bool:
         return False
     ids = list(range(common))
     return target.hf.convert_ids_to_tokens(ids) == draft.hf.convert_ids_to_tokens(ids)
+
+
+class ModelGuesser:
+    """A draft model as a cascade's first stage (`cascade:A,B` with A `quant:*`, `self:N` or `draft:REF`): it
+    guesses, greedily, how the second stage's chain goes on. The second stage keeps only the guesses its own
+    draws confirm, so this stage changes how fast B drafts, never what B proposes. Nobody calls its `observe`:
+    like a cross-tokenizer draft, it cuts its cache back to the longest prefix that still agrees with the
+    sequence it is asked about."""
+
+    def __init__(self, model: ModelDrafter) -> None:
+        self.model = model
+        self._fed: dict[int, list[int]] = {}  # the sequence each request's draft slot is a prefix of
+
+    def add_request(self, request: DraftRequest) -> None:
+        self.model.add_request(replace(request, params=SamplingParams(temperature=0.0), generator=None))
+        self._fed[request.request_id] = list(request.prompt_ids)
+
+    def remove_request(self, request_id: int) -> None:
+        if self._fed.pop(request_id, None) is not None:
+            self.model.remove_request(request_id)
+
+    def observe(self, request_id: int, verified: Verified) -> None:
+        """Nothing to keep: `guess` cuts the cache back to what agrees with the sequence it is asked about."""
+
+    def guess(self, request_id: int, context: Sequence[int], drafted: Sequence[int], max_k: int) -> list[int]:
+        """Up to max_k tokens after context + drafted (B's committed context and its draft so far)."""
+        sequence = [*context, *drafted]
+        cached = self._fed[request_id][:self.model.cached_length(request_id)]
+        self.model.rewind(request_id, min(common_prefix(cached, sequence), len(sequence) - 1))
+        tokens = self.model.propose([request_id], [sequence], [max_k])[0].tokens
+        self._fed[request_id] = sequence + tokens
+        return tokens
