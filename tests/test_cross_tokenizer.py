@@ -9,10 +9,9 @@ from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_residual_verify
 from tiny_models import ToyTokenizer, tiny_model
 
 import specdraft.verify.batch as verify_batch_module
-from specdraft.drafters.base import DraftRequest, Proposal
+from specdraft.drafters.base import DraftRequest, Proposal, common_prefix
 from specdraft.drafters.cross_tokenizer import (
     CrossTokenizerDrafter,
-    common_prefix,
     continuation_text,
     special_ids,
     target_continuation,

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix, node_budgets
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, node_budgets
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import tree_from_continuations
 from specdraft.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -108,8 +108,7 @@ class CrossTokenizerDrafter:
             if k <= 0 or not draft_context:
                 continue
             # The draft's cache keeps what still agrees with the new context; at least one token is fed.
-            cached = state.fed[:self.draft.cached_length(rid)]
-            self.draft.rewind(rid, min(common_prefix(cached, draft_context), len(draft_context) - 1))
+            self.draft.rewind_to(rid, state.fed, draft_context)
             rows.append(i)
             draft_contexts.append(draft_context)
             draft_ks.append(min(math.ceil((k + 1) / state.ratio), math.ceil(MAX_DRAFT_PER_TARGET * (k + 1))))

@@ -100,15 +100,15 @@ class ModelDrafter:
             if self.guesser is not None:
                 self.guesser.remove_request(request_id)
 
-    def cached_length(self, request_id: int) -> int:
-        """Tokens of the request's sequence held in the draft's cache."""
-        return self.cache.length(self._states[request_id].slot)
-
-    def rewind(self, request_id: int, length: int) -> None:
-        """Keep only the first `length` cached tokens, for a caller that maintains the draft's context itself
-        (cross-tokenizer drafting re-encodes it every round) instead of calling `observe`."""
+    def rewind_to(self, request_id: int, fed: Sequence[int], sequence: Sequence[int]) -> None:
+        """For a caller that keeps the draft's context itself instead of calling `observe` (a cross-tokenizer
+        draft re-encodes it every round, a cascade's model guesser follows its second stage): the slot was
+        filled from `fed`; keep the cached part of it that agrees with `sequence`, leaving at least one token
+        of `sequence` to feed."""
         state = self._states[request_id]
-        self.cache.commit(state.slot, max(0, min(length, self.cache.length(state.slot))))
+        cached = self.cache.length(state.slot)
+        keep = min(common_prefix(fed[:cached], sequence), len(sequence) - 1)
+        self.cache.commit(state.slot, max(0, min(keep, cached)))
         state.num_proposed = 0
 
     def _catch_up_from_target(self, state: _DraftState, context_len: int) -> None:
@@ -363,8 +363,7 @@ class ModelGuesser:
     def guess(self, request_id: int, context: Sequence[int], drafted: Sequence[int], max_k: int) -> list[int]:
         """Up to max_k tokens after context + drafted (B's committed context and its draft so far)."""
         sequence = [*context, *drafted]
-        cached = self._fed[request_id][:self.model.cached_length(request_id)]
-        self.model.rewind(request_id, min(common_prefix(cached, sequence), len(sequence) - 1))
+        self.model.rewind_to(request_id, self._fed[request_id], sequence)
         tokens = self.model.propose([request_id], [sequence], [max_k])[0].tokens
         self._fed[request_id] = sequence + tokens
         return tokens
