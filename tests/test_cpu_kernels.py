@@ -192,7 +192,11 @@ def test_fused_forward_writes_the_same_cache(family):
         pairs = ((fused_cache.k[layer], torch_cache.k[layer]), (fused_cache.v[layer], torch_cache.v[layer]))
         for fused, plain in pairs:
             fused, plain = fused[:, :, new].float(), plain[:, :, new].float()
-            assert torch.allclose(fused, plain, atol=0.05, rtol=0.02)
+            # Two bf16 paths that round differently drift apart by a few ulps over the layers (a bf16 ulp at
+            # |x| = 4 is 0.03; measured on AMX tiles: 0.078 at layer 3, 1 element of 768): a layout or position
+            # bug is off by O(1), and on average, which the mean catches.
+            assert torch.allclose(fused, plain, atol=0.15, rtol=0.02)
+            assert (fused - plain).abs().mean() < 0.05 * plain.abs().mean()
             assert fused.abs().amax(-1).gt(0).all()  # every new position written, none left at zero
 
 

@@ -22,7 +22,10 @@ PROMPT_LEN = 64
 GREEDY_STEPS = 40
 NEAR_TIE = 1e-3
 BF16_AGREEMENT = 0.99  # the goal; printed, not asserted (see test_bf16_top1_agrees_with_fp32)
-BF16_TIE = 0.5  # logits: bf16 errors at the top of the distribution are ~0.1, up to ~1 over the vocabulary
+# logits: bf16 errors at the top of the distribution are ~0.1, up to ~1 over the vocabulary. On Intel's AMX
+# tiles SmolLM2's first chat-template token flips at an fp32 gap of 0.80 (AMD's AVX512-BF16 and transformers'
+# bf16 keep it), so 0.5 held on one vendor only; a broken bf16 path flips far more (the count test below).
+BF16_TIE = 1.0
 GREEDY_CATEGORIES = ("coding", "translation", "math_reasoning")
 LONG_CATEGORIES = ("summarization", "rag")
 LONG_RANGE = (600, 900)  # tokens: past the 512-token window, short enough to stay quick
