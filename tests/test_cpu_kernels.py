@@ -318,37 +318,77 @@ def assert_ragged_equals_padded(model: Transformer) -> None:
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_short_prompts_prefill_in_fused_chunks(family, monkeypatch):
-    """A prompt of up to CHUNKED_PREFILL_TOKENS runs through the fused kernels 32 tokens at a time: each row
-    gets the bits of decoding it token by token (the GEMM path only agrees up to bf16 rounding), the cache
-    ends with the prompt's keys written and nothing committed, and logits_from, the final hidden states and
-    the captured streams cover the rows they do in one block."""
+    """A prompt of up to CHUNKED_PREFILL_TOKENS runs through the fused kernels in causal chunks of
+    PREFILL_CHUNK_TOKENS (here also of 32, a verified block's largest size): each row gets the bits of
+    decoding it token by token (the GEMM path only agrees up to bf16 rounding), the cache ends with the
+    prompt's keys written and nothing committed, and logits_from, the final hidden states and the captured
+    streams cover the rows they do in one block."""
+    check_prefill_chunks(kernel_model(family, seed=7), monkeypatch)
+
+
+def counting_blocks(run_layers, blocks: list[int]):
+    """run_layers, appending each call's block width to `blocks`."""
+    def counting(model_, x, *args, **kwargs):
+        blocks.append(x.shape[1])
+        return run_layers(model_, x, *args, **kwargs)
+    return counting
+
+
+def check_prefill_chunks(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
     from specdraft.runtime import model as model_module
 
-    model = kernel_model(family, seed=7)
-    prompt = ids(77, 8)
-    cache = model.new_cache(128)
-    blocks = []
-    run_layers = model.fused.run_layers
-    model.fused.run_layers = lambda model_, x, *a, **k: blocks.append(x.shape[1]) or run_layers(model_, x, *a, **k)
-    try:
-        out = model(prompt, cache, logits_from=40, return_hidden=True, capture_layers=(1,))
-    finally:
-        del model.fused.run_layers
-    assert blocks == [32, 32, 13] and cache.length(0) == 0
-    assert out.logits.shape[1] == out.hidden.shape[1] == 37 and out.captured.shape[2] == 77
-    cache.commit(0, 77)
-    decoded = model.new_cache(128)
-    for t in range(77):
-        step = model(prompt[:, t:t + 1], decoded, capture_layers=(1,))
-        if t >= 40:
-            assert torch.equal(step.logits[0, 0], out.logits[0, t - 40])
-        assert torch.equal(step.captured[0, 0, 0], out.captured[0, 0, t])
-        decoded.commit(0, t + 1)
-    for layer in range(model.config.num_layers):
-        assert torch.equal(cache.k[layer][0, :, :77], decoded.k[layer][0, :, :77])
+    default = model_module.PREFILL_CHUNK_TOKENS
+    assert default > 32
+    for chunk, n in ((32, 77), (default, default + 22)):
+        monkeypatch.setattr(model_module, "PREFILL_CHUNK_TOKENS", chunk)
+        prompt = ids(n, 8)
+        cache = model.new_cache(n + 32)
+        blocks: list[int] = []
+        model.fused.run_layers = counting_blocks(model.fused.run_layers, blocks)
+        try:
+            out = model(prompt, cache, logits_from=40, return_hidden=True, capture_layers=(1,))
+        finally:
+            del model.fused.run_layers
+        assert blocks == [chunk] * (n // chunk) + [n % chunk] and cache.length(0) == 0
+        assert out.logits.shape[1] == out.hidden.shape[1] == n - 40 and out.captured.shape[2] == n
+        cache.commit(0, n)
+        decoded = model.new_cache(n + 32)
+        for t in range(n):
+            step = model(prompt[:, t:t + 1], decoded, capture_layers=(1,))
+            if t >= 40:
+                assert torch.equal(step.logits[0, 0], out.logits[0, t - 40])
+            assert torch.equal(step.captured[0, 0, 0], out.captured[0, 0, t])
+            decoded.commit(0, t + 1)
+        for layer in range(model.config.num_layers):
+            assert torch.equal(cache.k[layer][0, :, :n], decoded.k[layer][0, :, :n])
     monkeypatch.setattr(model_module, "CHUNKED_PREFILL_TOKENS", 0)  # the GEMM path, for comparison
-    gemm = model(prompt, model.new_cache(128), logits_from=40)
+    gemm = model(prompt, model.new_cache(n + 32), logits_from=40)
     assert torch.allclose(gemm.float(), out.logits.float(), atol=0.1 * out.logits.float().abs().max().item())
+
+
+@needs_kernels
+def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
+    check_argmax_rows()
+
+
+def check_argmax_rows() -> None:
+    """The kernels' one-call argmax (greedy verification reads it) against torch's, bf16 and fp32, over
+    vocabularies in whole and partial chunks of 128."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (1, 5, 128, 129, 4099, 49152):
+            logits = torch.randn(2, 4, vocab, generator=g).to(dtype)
+            logits[0, 1] = 0.0  # all tied: the first
+            logits[0, 2, vocab // 2:] = 50.0  # tied in several chunks: the first of them
+            logits[0, 3] = float("-inf")
+            logits[1, 0, -1] = float("inf")
+            logits[1, 1, [vocab - 1, vocab // 3]] = float("nan")  # the first NaN, whatever the values
+            logits[1, 2] = torch.randint(-2, 3, (vocab,), generator=g).to(dtype)
+            got = cpu_kernels.argmax_rows(logits)
+            assert got.dtype == torch.long and torch.equal(got, logits.argmax(-1)), (dtype, vocab)
+            assert torch.equal(cpu_kernels.argmax_rows(logits[:, 1]), logits[:, 1].argmax(-1))  # strided input
+    with pytest.raises(ValueError):
+        cpu_kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))
 
 
 @needs_kernels
@@ -477,6 +517,7 @@ def test_every_kernel_path_this_cpu_can_run(monkeypatch, tmp_path, march, path, 
     assert cpu_kernels.k_multiple() == (32 if path == "avx512bf16" else 16)
     for rows in (1, 3, 5, 17):
         test_linear_kernel_matches_fp32_and_rows_are_independent(rows)
+    check_argmax_rows()
     for family in FAMILIES:
         test_fused_block_equals_incremental_bit_identical(family, 60, 8)
         test_fused_forward_as_accurate_as_pytorch_ops(family)

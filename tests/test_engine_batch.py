@@ -8,7 +8,7 @@ import torch
 from test_cpu_kernels import kernel_model, needs_kernels
 from tiny_models import ToyTokenizer, tiny_model
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser
@@ -125,6 +125,21 @@ def test_prompts_reuse_the_cache_entries_of_a_shared_start_and_decode_the_same_t
     assert result.metrics.prompt_tokens_cached == len(prompts[2]) + len(third.result.token_ids) - 1
     again = engine.generate(turn, params[0])  # all of it cached: its last token is still computed, for its logits
     assert again.token_ids == result.token_ids and again.metrics.prompt_tokens_cached == len(turn) - 1
+    # What a benchmark does between repeats: back to what an earlier snapshot offered, or to nothing.
+    snapshot = engine.prefix_snapshot()
+    other = system + torch.randint(0, KERNEL_VOCAB, (10,), generator=g).tolist()
+    offered = max(common_prefix(tokens, other) for tokens in snapshot.values())
+    assert offered >= len(system)
+    first_run = engine.generate(other, params[0])
+    assert first_run.metrics.prompt_tokens_cached == offered
+    assert engine.generate(other, params[0]).metrics.prompt_tokens_cached == len(other) - 1  # its own entries
+    engine.restore_prefixes(snapshot)
+    repeat = engine.generate(other, params[0])
+    assert repeat.metrics.prompt_tokens_cached == offered and repeat.token_ids == first_run.token_ids
+    assert repeat.token_ids == alone(other, params[0])[0].token_ids
+    engine.restore_prefixes({})
+    assert engine.prefix_snapshot() == {}
+    assert engine.generate(turn, params[0]).metrics.prompt_tokens_cached == 0
 
 
 @needs_kernels

@@ -37,6 +37,7 @@ from tests.test_cpu_kernels import (
     assert_ragged_equals_padded,
     assert_slots_independent,
     assert_tree_nodes_equal_their_paths,
+    check_prefill_chunks,
     fp32_copy,
     ids,
     kernel_model,
@@ -151,7 +152,7 @@ def check_native_linear(qtype, rows: int) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33, 150])
 def test_native_linear_matches_fp32_and_rows_are_independent(qtype, rows):
     check_native_linear(qtype, rows)
 
@@ -248,6 +249,11 @@ def test_a_matrix_kept_as_panels_only_gives_back_its_rows_and_the_same_outputs(q
     table = GGUFEmbedding(slim.matrix, fmt, 37, 512)  # shared, as a tied head shares the embedding's
     tokens = torch.tensor([[3, 36], [0, 3]])
     assert torch.equal(table(tokens), GGUFEmbedding(rows, fmt, 37, 512)(tokens))
+    # the lookup's one kernel call gives the reference dequantization's bits, rounded to bf16
+    expected = dequantize(rows[tokens.reshape(-1)], fmt, 512).to(torch.bfloat16).reshape(2, 2, 512)
+    assert torch.equal(table(tokens), expected)
+    many = torch.arange(37).repeat(3)  # enough rows for the threaded call
+    assert torch.equal(table(many), dequantize(rows[many], fmt, 512).to(torch.bfloat16))
     with pytest.raises(IndexError):
         table(torch.tensor([37]))
 
@@ -328,6 +334,11 @@ def test_native_block_equals_incremental_bit_identical(family, prefix, length):
 
 
 @needs_kernels
+def test_native_prompts_prefill_in_chunks_with_the_bits_of_decoding(monkeypatch):
+    check_prefill_chunks(native_copy(kernel_model("llama", seed=7))[0], monkeypatch)
+
+
+@needs_kernels
 def test_native_tree_nodes_and_slots_get_their_own_bits():
     assert_tree_nodes_equal_their_paths(native_copy(kernel_model("gemma3", seed=3))[0])
     assert_slots_independent(native_copy(kernel_model("gemma3", seed=4))[0])
@@ -350,10 +361,11 @@ def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, ma
     assert cpu_kernels.simd_path() == path
     for qtype in ALL_TYPES:
         check_kernel_dequantization(qtype)
-        for rows in (1, 5, 17):
+        for rows in (1, 5, 17, 150):
             check_native_linear(qtype, rows)
     for family in NATIVE_FAMILIES:
         check_native_blocks(family, 60, 8)
+    check_prefill_chunks(native_copy(kernel_model("llama", seed=7))[0], monkeypatch)
     assert_ragged_equals_padded(native_copy(kernel_model("llama", seed=5))[0])
 
 

@@ -26,6 +26,7 @@ from specdraft.verify import (
 )
 from specdraft.verify.greedy import argmax, topk_indices
 from specdraft.verify.rejection import one_hot_probs, pad_vocab
+from specdraft.verify.tree import ROOT
 
 VOCAB = 8
 NUM_SAMPLES = 40_000
@@ -535,3 +536,33 @@ def test_rejection_rejects_mismatched_vocab():
     with pytest.raises(ValueError, match="pad_vocab"):
         rejection_verify(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1, 6), 1 / 6),
                          torch.full((2, 2, 8), 1 / 8), None)
+
+
+def test_verify_batch_greedy_rows_read_a_given_argmax_as_the_logits_argmax():
+    """Greedy chains and trees beside a sampled row: the same answer from the logits as from their argmax
+    (what the engine hands over from the runtime's kernel), and a planted wrong argmax changes it."""
+    from specdraft.verify.batch import verify_batch
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 50, generator=g)
+    best = logits.argmax(-1)
+    other = (best + 1) % 50  # never the argmax
+    drafts = [best[0, :3].tolist(), best[1, :2].tolist() + [other[1, 2].item()], [],
+              [other[3, 0].item(), best[3, 0].item(), best[3, 2].item()]]
+    parents = [None, None, None, [ROOT, ROOT, 0]]  # row 3: the second child of the root matches, and ends
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0)]
+    gens = [None, None, torch.Generator().manual_seed(1), None]
+    plain = verify_batch(drafts, [None] * 4, logits, params, gens, parents)
+    gens[2] = torch.Generator().manual_seed(1)
+    given = verify_batch(drafts, [None] * 4, logits, params, gens, parents, target_argmax=best)
+    assert given == plain
+    assert plain[0][0] == [0, 1, 2] and plain[1][0] == best[0, :4].tolist()
+    assert plain[0][1] == [0, 1] and plain[1][1] == best[1, :3].tolist()
+    assert plain[0][3] == [1] and plain[1][3] == [best[3, 0].item(), best[3, 2].item()]
+    wrong = best.clone()
+    wrong[0, 1] = (wrong[0, 1] + 1) % 50
+    gens[2] = torch.Generator().manual_seed(1)
+    assert verify_batch(drafts, [None] * 4, logits, params, gens, parents, target_argmax=wrong)[0][0] == [0]
+    with pytest.raises(ValueError, match="does not cover"):
+        verify_batch(drafts, [None] * 4, logits, params, gens, parents, target_argmax=best[:, :2])

@@ -289,19 +289,24 @@ def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable,
 
     def conversation(m) -> Callable:
         cache = shared_cache(m)
+        engine = getattr(m, "engine", None)
         before: list = []
 
         def run(q: Question, repeat: int) -> list[dict] | None:
             """All turns of one question; each turn's prompt carries the method's own earlier answers. A
-            drafter's cache of earlier requests is reset to its state before the question's first repeat, so
-            a repeat is never drafted from its own earlier answer."""
+            drafter's cache of earlier requests, and the prompt prefixes the engine keeps for reuse, are reset
+            to their state before the question's first repeat, so a repeat is never drafted from its own
+            earlier answer, nor spared the prefill of its own earlier prompt."""
             if failed and m.name in failed_names(failed):
                 return None
-            if cache is not None:
-                if repeat == 0:
-                    before[:] = [cache.snapshot()]
-                else:
+            if repeat == 0:
+                before[:] = [cache.snapshot() if cache is not None else None,
+                             engine.prefix_snapshot() if engine is not None else None]
+            else:
+                if cache is not None:
                     cache.restore(before[0])
+                if engine is not None:
+                    engine.restore_prefixes(before[1])
             answers: list[str] = []
             turns = []
             for ti in range(len(q.turns)):

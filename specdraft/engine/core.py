@@ -48,11 +48,12 @@ from specdraft.engine.adaptive import (
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
 from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.runtime import cpu_kernels
 from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
-from specdraft.verify.greedy import for_reduction, topk_indices
+from specdraft.verify.greedy import argmax, for_reduction, topk_indices
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -221,6 +222,21 @@ class Engine:
     def free_slots(self) -> int:
         return len(self._free_slots)
 
+    def prefix_snapshot(self) -> dict[int, list[int]]:
+        """Which tokens' cache entries each slot holds for later prompts to reuse (see `_reuse_prefix`)."""
+        return {slot: list(tokens) for slot, tokens in self._cached_tokens.items()}
+
+    def restore_prefixes(self, snapshot: dict[int, list[int]]) -> None:
+        """Offer later prompts no more than `snapshot` offered: each slot keeps only the start its tokens share
+        with what it held then (those entries are still the same bits; `{}` forgets every prefix). A benchmark
+        repeating a prompt calls this so that no repeat reuses the prompt an earlier repeat left behind."""
+        for slot, tokens in list(self._cached_tokens.items()):
+            kept = common_prefix(tokens, snapshot.get(slot, []))
+            if kept:
+                self._cached_tokens[slot] = tokens[:kept]
+            else:
+                del self._cached_tokens[slot]
+
     # ------------------------------------------------------------------------------------------ stepping
 
     def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
@@ -367,14 +383,17 @@ class Engine:
         t1 = time.perf_counter()
         logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
                                                        [1 + len(p) for p in proposals])
-        logits = for_reduction(logits)  # once (exact): verification and the drafter's top-k both reduce these
+        greedy = [r.params.greedy for r in requests]
+        target_argmax = _target_argmax(logits) if any(greedy) else None  # all that greedy rows read
+        topk = getattr(drafter, "target_topk", 0) if drafter is not None else 0
+        if topk or not all(greedy):
+            logits = for_reduction(logits)  # once (exact): sampling and the drafter's top-k both reduce these
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
                                          logits, [r.params for r in requests], [r.generator for r in requests],
-                                         [p.parents for p in proposals])
+                                         [p.parents for p in proposals], target_argmax)
         verify_time = time.perf_counter() - t1
         # What the drafter recycles of the target's work (its cost is the drafter's, booked with `observe`).
         t2 = time.perf_counter()
-        topk = getattr(drafter, "target_topk", 0) if drafter is not None else 0
         top = topk_indices(logits, topk) if topk else None
         topk_time = time.perf_counter() - t2
 
@@ -490,6 +509,13 @@ class Engine:
             else:
                 hidden[layer] = captured[capture.index(layer), row, :length]
         return hidden
+
+
+def _target_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1): the kernels' one call on CPU where they are built, else verify's reduction."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available():
+        return cpu_kernels.argmax_rows(logits)
+    return argmax(logits)
 
 
 def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],

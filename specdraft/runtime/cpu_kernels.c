@@ -2490,3 +2490,73 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     free(fbuf);
     return 0;
 }
+
+/* ---- greedy decoding's argmax ------------------------------------------------------------------------------- */
+
+#define ARGMAX_CHUNK 128
+
+static inline float argmax_value(const void *row, int is_bf16, int64_t i) {
+    return is_bf16 ? bf2f(((const bf16 *)row)[i]) : ((const float *)row)[i];
+}
+
+/* The maximum of row[c .. end) (ignoring NaNs) and whether a NaN is among them. */
+static float chunk_max(const void *row, int is_bf16, int64_t c, int64_t end, int *has_nan) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = c;
+#ifdef SD_AVX512
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= end; i += 16) {
+        const __m512 v = is_bf16 ? load_bf16x16_masked((const bf16 *)row + i, 0xffff)
+                                 : _mm512_loadu_ps((const float *)row + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(v, vm); /* a NaN in v leaves vm as it was */
+    }
+    m = _mm512_reduce_max_ps(vm);
+    nan = unordered != 0;
+#endif
+    for (; i < end; i++) {
+        const float f = argmax_value(row, is_bf16, i);
+        nan |= f != f;
+        m = f > m ? f : m;
+    }
+    *has_nan = nan;
+    return m;
+}
+
+/* out[r] = the index of the first maximum of row r of x [R, V] (bf16 when is_bf16, else fp32), a NaN counting
+ * as the maximum (its first occurrence): torch.argmax's answer. Each chunk of ARGMAX_CHUNK values is reduced
+ * to its maximum and a NaN flag (16 lanes at a time on AVX-512); only the first chunk holding the row's
+ * maximum (or its first NaN) is then searched element by element. One call for what torch does in five ops,
+ * each of them slow right after a forward pass has evicted its code and data from the caches. */
+void sd_argmax_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) {
+        const void *row = is_bf16 ? (const void *)((const bf16 *)x + r * V) : (const void *)((const float *)x + r * V);
+        float best = -INFINITY;
+        int64_t best_chunk = 0, nan_chunk = -1;
+        for (int64_t c = 0; c < V; c += ARGMAX_CHUNK) {
+            int nan;
+            const float m = chunk_max(row, is_bf16, c, c + ARGMAX_CHUNK < V ? c + ARGMAX_CHUNK : V, &nan);
+            if (nan) {
+                nan_chunk = c;
+                break;
+            }
+            if (m > best) {
+                best = m;
+                best_chunk = c;
+            }
+        }
+        const int64_t c = nan_chunk >= 0 ? nan_chunk : best_chunk;
+        const int64_t end = c + ARGMAX_CHUNK < V ? c + ARGMAX_CHUNK : V;
+        int64_t index = c;
+        for (int64_t i = c; i < end; i++) {
+            const float f = argmax_value(row, is_bf16, i);
+            if (nan_chunk >= 0 ? f != f : f == best) {
+                index = i;
+                break;
+            }
+        }
+        out[r] = index;
+    }
+}

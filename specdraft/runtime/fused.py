@@ -32,9 +32,10 @@ class FusedCPUBackend:
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.governor = ThreadGovernor()
 
-    def applies(self, model: nn.Module, tokens: int, cache: KVCache) -> bool:
-        """bf16 on CPU, at most SMALL_BATCH_ROWS tokens per sequence, kernels built, layout readable."""
-        if (tokens > SMALL_BATCH_ROWS or model.dtype != torch.bfloat16 or model.device.type != "cpu"
+    def applies(self, model: nn.Module, tokens: int, cache: KVCache, max_tokens: int = SMALL_BATCH_ROWS) -> bool:
+        """bf16 on CPU, at most max_tokens per sequence (a prompt's causal chunk may be longer than a verified
+        block), kernels built, layout readable."""
+        if (tokens > max_tokens or model.dtype != torch.bfloat16 or model.device.type != "cpu"
                 or cache.k[0].dtype != torch.bfloat16 or not cpu_kernels.available()):
             return False
         return self._weight_table(model) is not None

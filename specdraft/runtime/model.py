@@ -8,12 +8,13 @@ KV cache and returns their logits: prefill, decoding, verification of K draft to
 Numerics: activations run in the weights' dtype (bf16 by default on CPU), norms, RoPE tables and softmax in
 fp32. Every token's result must not depend on how many tokens share the forward pass, so that speculative
 output equals plain decoding bit for bit in bf16, not just up to near-ties. Two paths give that on CPU:
-- bf16 blocks of up to SMALL_BATCH_ROWS tokens run all layers in one call into the fused C kernels
-  (fused.py, cpu_kernels.c), which compute each row with the same operations whatever the row count; a
-  GGUF-native model (gguf_native.py: linear layers and embedding on the file's quantized blocks) too;
+- bf16 blocks of up to SMALL_BATCH_ROWS tokens (a prompt: causal chunks of PREFILL_CHUNK_TOKENS) run all
+  layers in one call into the fused C kernels (fused.py, cpu_kernels.c), which compute each row with the same
+  operations whatever the row count; a GGUF-native model (gguf_native.py: linear layers and embedding on the
+  file's quantized blocks) too;
 - otherwise (no compiler, fp32, GPU) the PyTorch modules below, whose attention is two matmuls over a key
   range padded to KEY_BLOCK.
-Prefill-sized blocks run the PyTorch modules with GEMMs and SDPA.
+Prompts longer than CHUNKED_PREFILL_TOKENS run the PyTorch modules with GEMMs and SDPA.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 # against 120 padded, while 46 of 96 took 73 against 119 and 21 of 96 took 39 against 117.
 RAGGED_BELOW = 7 / 8
 
-# Prompts of up to this many tokens are prefilled through the fused kernels, SMALL_BATCH_ROWS tokens at a time,
+# Prompts of up to this many tokens are prefilled through the fused kernels, PREFILL_CHUNK_TOKENS at a time,
 # rather than by GEMMs over the whole prompt (scripts/bench_prefill.py on a Zen 4, both bundled models, bf16
 # and GGUF-native: 1.4-1.75x faster at 40 tokens, 1.06-1.31x at 200-1000, SmolLM2 at 2000 within 2% either
 # way, Gemma 3 at 2000 1.3-1.6x faster); longer prompts are unmeasured and keep the GEMM.
 CHUNKED_PREFILL_TOKENS = 2048
+# Tokens per chunk of such a prefill: one call of the fused kernels over a causal block reads every weight
+# once, so a longer chunk spreads that read over more tokens; the kernels' rows keep their bits at any block
+# size. scripts/bench_prefill.py --chunks 32,64,128,256 on a Sapphire Rapids (AMX), SmolLM2 bf16, 200-1000
+# tokens: chunks of 128 1.5-1.8x faster than chunks of 32 (256: within 3% of 128); GGUF-native 1.15-1.25x.
+PREFILL_CHUNK_TOKENS = 128
 
 
 class RMSNorm(nn.Module):
@@ -332,8 +338,9 @@ class Transformer(nn.Module):
         tokens = tokens.to(device)
         positions, tree_mask, branch_mask = (None if t is None else t.to(device)
                                              for t in (positions, tree_mask, branch_mask))
-        if (SMALL_BATCH_ROWS < T <= CHUNKED_PREFILL_TOKENS and positions is None and tree_mask is None
-                and branch_mask is None and self.fused.applies(self, SMALL_BATCH_ROWS, cache)):
+        causal_block = positions is None and tree_mask is None and branch_mask is None
+        chunk = PREFILL_CHUNK_TOKENS
+        if (chunk < T <= CHUNKED_PREFILL_TOKENS and causal_block and self.fused.applies(self, chunk, cache, chunk)):
             return self._forward_chunked(tokens, cache, slots, exit_layer, logits_from, return_hidden,
                                          capture_layers)
         starts = [cache.lengths[s] for s in slots]
@@ -354,7 +361,7 @@ class Transformer(nn.Module):
             return self._forward_ragged(tokens, lengths, positions, masks, cache, index, num_layers,
                                         return_hidden, capture_layers)
         x = self.embed_tokens(tokens)
-        if self.fused.applies(self, T, cache):
+        if self.fused.applies(self, T, cache, chunk if causal_block else SMALL_BATCH_ROWS):
             angles = {kind: self._rope_angles(positions, kind) for kind in set(self.config.layer_types)}
             normed, captured = self.fused.run_layers(self, x, angles, masks, cache, rows[:, 0], index[1],
                                                      num_layers, capture_layers)
@@ -378,15 +385,15 @@ class Transformer(nn.Module):
     def _forward_chunked(self, tokens: torch.Tensor, cache: KVCache, slots: list[int], exit_layer: int | None,
                          logits_from: int, return_hidden: bool, capture_layers: Sequence[int]
                          ) -> torch.Tensor | ForwardOutput:
-        """`forward` over a prompt-sized causal block as consecutive blocks of SMALL_BATCH_ROWS tokens on the
+        """`forward` over a prompt-sized causal block as consecutive blocks of PREFILL_CHUNK_TOKENS on the
         fused kernels (see CHUNKED_PREFILL_TOKENS). Each block is committed so that the next one sees it, and
         the slots' lengths are put back at the end: like any forward, this one commits nothing."""
         B, T = tokens.shape
         starts = [cache.lengths[s] for s in slots]
         parts = []
         try:
-            for lo in range(0, T, SMALL_BATCH_ROWS):
-                hi = min(T, lo + SMALL_BATCH_ROWS)
+            for lo in range(0, T, PREFILL_CHUNK_TOKENS):
+                hi = min(T, lo + PREFILL_CHUNK_TOKENS)
                 parts.append(self.forward(tokens[:, lo:hi], cache, slots, exit_layer=exit_layer,
                                           logits_from=min(hi - lo, max(0, logits_from - lo)),
                                           return_hidden=return_hidden, capture_layers=capture_layers))

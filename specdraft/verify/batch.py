@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from specdraft.verify.greedy import greedy_verify
+from specdraft.verify.greedy import argmax
 from specdraft.verify.rejection import pad_vocab, rejection_verify
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sampling_key
-from specdraft.verify.tree import greedy_tree_verify, tree_rejection_verify
+from specdraft.verify.tree import greedy_tree_walk, tree_rejection_verify
 
 
 def verify_batch(
@@ -24,6 +24,7 @@ def verify_batch(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     parents: Sequence[Sequence[int] | None] | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Verify each row's draft (a chain, or a tree given its `parents`) against the target.
 
@@ -33,7 +34,8 @@ def verify_batch(
     padding and are never read). parents[b]: the parent of each node of a tree (see verify/tree.py), or
     None for a chain. Greedy rows (temperature 0) accept while equal to the argmax; sampled rows use
     Leviathan/Chen rejection sampling (a tree: its multi-candidate form) with their own params and
-    generator.
+    generator. target_argmax [B, T']: target_logits.argmax(-1) (T' >= 1 + max k_b of the greedy rows), where
+    the caller has it cheaper (the runtime's one-call kernel): greedy rows then read nothing else.
 
     Returns (accepted draft indices per row, root first: a chain's are 0..n-1; tokens to emit per row: the
     accepted drafts, then the target's correction or bonus token).
@@ -50,33 +52,38 @@ def verify_batch(
     accepted: list[list[int]] = [[] for _ in range(batch)]
     emitted: list[list[int]] = [[] for _ in range(batch)]
 
-    trees = [b for b in range(batch) if parents[b] is not None and _is_tree(parents[b])]
-    for b in trees:
-        rows = target_logits[b, :lengths[b] + 1]
-        if params[b].greedy:
-            accepted[b], emitted[b] = greedy_tree_verify(draft_tokens[b], parents[b], rows)
-        else:
-            target_probs = logits_to_probs(rows, params[b])
-            probs = draft_probs[b]
-            if probs is not None:
-                probs = pad_vocab(probs, target_probs.shape[-1])
-            accepted[b], emitted[b] = tree_rejection_verify(draft_tokens[b], parents[b], probs, target_probs,
-                                                            generators[b])
-    chains = [b for b in range(batch) if b not in trees]
-
-    greedy_rows = [b for b in chains if params[b].greedy]
+    trees = {b for b in range(batch) if parents[b] is not None and _is_tree(parents[b])}
+    greedy_rows = [b for b in range(batch) if params[b].greedy]
     if greedy_rows:
-        width = max(lengths[b] for b in greedy_rows)
-        padded = torch.full((len(greedy_rows), width), -1, dtype=torch.long)
-        for i, b in enumerate(greedy_rows):
-            if lengths[b]:
-                padded[i, :lengths[b]] = torch.tensor(draft_tokens[b], dtype=torch.long)
-        # Padding (-1) never equals an argmax, so each row's run of matches stops at its own length.
-        rows = target_logits[:, :width + 1] if len(greedy_rows) == batch else target_logits[greedy_rows, :width + 1]
-        run, argmax = greedy_verify(padded, rows)
-        for i, b in enumerate(greedy_rows):
-            n = int(run[i])
-            accepted[b], emitted[b] = list(range(n)), argmax[i, :n + 1].tolist()
+        # Greedy rows need only the target's argmax at each position: one reduction for all of them, then
+        # a walk over a few Python ints per row.
+        width = 1 + max(lengths[b] for b in greedy_rows)
+        if target_argmax is None:
+            rows = target_logits[:, :width] if len(greedy_rows) == batch else target_logits[greedy_rows, :width]
+            best = dict(zip(greedy_rows, argmax(rows).tolist()))
+        else:
+            if target_argmax.shape[0] != batch or target_argmax.shape[1] < width:
+                raise ValueError(f"target_argmax {tuple(target_argmax.shape)} does not cover {batch} rows of "
+                                 f"{width} positions")
+            every = target_argmax.tolist()
+            best = {b: every[b] for b in greedy_rows}
+        for b in greedy_rows:
+            if b in trees:
+                accepted[b], emitted[b] = greedy_tree_walk(draft_tokens[b], parents[b], best[b])
+            else:
+                n = leading_matches(draft_tokens[b], best[b])
+                accepted[b], emitted[b] = list(range(n)), best[b][:n + 1]
+    for b in sorted(trees):
+        if params[b].greedy:
+            continue
+        rows = target_logits[b, :lengths[b] + 1]
+        target_probs = logits_to_probs(rows, params[b])
+        probs = draft_probs[b]
+        if probs is not None:
+            probs = pad_vocab(probs, target_probs.shape[-1])
+        accepted[b], emitted[b] = tree_rejection_verify(draft_tokens[b], parents[b], probs, target_probs,
+                                                        generators[b])
+    chains = [b for b in range(batch) if b not in trees]
 
     # Sampled chains, verified together where they share a draft length, sampling filters and kind of
     # draft: one vectorized call per group, each row drawing from its own generator as it would alone.
@@ -96,6 +103,16 @@ def verify_batch(
             n = int(run[i])
             accepted[b], emitted[b] = list(range(n)), out[i, :n + 1].tolist()
     return accepted, emitted
+
+
+def leading_matches(draft: Sequence[int], target_argmax: Sequence[int]) -> int:
+    """How many draft tokens, from the first, equal the target's argmax at their positions."""
+    n = 0
+    for token, best in zip(draft, target_argmax):
+        if token != best:
+            break
+        n += 1
+    return n
 
 
 def _is_tree(parents: Sequence[int]) -> bool:

@@ -71,7 +71,15 @@ def greedy_tree_verify(tokens: Sequence[int], parents: Sequence[int],
     target_logits [N + 1, V] (rows as in the module docstring). Returns (accepted node indices, root first;
     tokens to emit: the accepted tokens, then the target's argmax after the last accepted node)."""
     _check(tokens, parents, target_logits)
-    target_argmax = argmax(target_logits).tolist()
+    return greedy_tree_walk(tokens, parents, argmax(target_logits).tolist())
+
+
+def greedy_tree_walk(tokens: Sequence[int], parents: Sequence[int],
+                     target_argmax: Sequence[int]) -> tuple[list[int], list[int]]:
+    """`greedy_tree_verify` given the target's argmax of each of its N + 1 rows instead of the logits."""
+    _check_tree(tokens, parents)
+    if len(target_argmax) < len(tokens) + 1:
+        raise ValueError(f"{len(target_argmax)} target argmaxes for a tree of {len(tokens)} nodes (need one more)")
     children = children_of(parents)
     node, path = ROOT, []
     while True:
@@ -140,9 +148,13 @@ def _reject(residual: torch.Tensor, token: int, draft_row: torch.Tensor | None) 
 
 
 def _check(tokens: Sequence[int], parents: Sequence[int], target: torch.Tensor) -> None:
+    _check_tree(tokens, parents)
+    if target.dim() != 2 or target.shape[0] != len(tokens) + 1:
+        raise ValueError(f"target rows must be [N + 1, V] = [{len(tokens) + 1}, V], got {tuple(target.shape)}")
+
+
+def _check_tree(tokens: Sequence[int], parents: Sequence[int]) -> None:
     if len(tokens) != len(parents):
         raise ValueError(f"{len(tokens)} tree tokens but {len(parents)} parents")
     if any(not ROOT <= p < i for i, p in enumerate(parents)):
         raise ValueError(f"parents must point to an earlier node or ROOT, got {list(parents)}")
-    if target.dim() != 2 or target.shape[0] != len(tokens) + 1:
-        raise ValueError(f"target rows must be [N + 1, V] = [{len(tokens) + 1}, V], got {tuple(target.shape)}")
