@@ -367,13 +367,14 @@ def check_prefill_chunks(model: Transformer, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_kernels
-def test_argmax_rows_gives_torchs_indices_ties_nan_and_infinities_included():
+def test_argmax_and_topk_rows_give_torchs_answers_ties_nan_and_infinities_included():
     check_argmax_rows()
 
 
 def check_argmax_rows() -> None:
-    """The kernels' one-call argmax (greedy verification reads it) against torch's, bf16 and fp32, over
-    vocabularies in whole and partial chunks of 128."""
+    """The kernels' one-call argmax (greedy verification reads it) and top-k (drafters that recycle the
+    target's predictions read it) against torch's, bf16 and fp32, over vocabularies in whole and partial
+    chunks of 128."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for vocab in (1, 5, 128, 129, 4099, 49152):
@@ -387,8 +388,17 @@ def check_argmax_rows() -> None:
             got = cpu_kernels.argmax_rows(logits)
             assert got.dtype == torch.long and torch.equal(got, logits.argmax(-1)), (dtype, vocab)
             assert torch.equal(cpu_kernels.argmax_rows(logits[:, 1]), logits[:, 1].argmax(-1))  # strided input
+            for k in (1, 4, 8):  # top-k: torch's values best first, equal values by lower index
+                if k > vocab:
+                    continue
+                top = cpu_kernels.topk_rows(logits, k)
+                values = logits.gather(-1, top).float().nan_to_num(nan=1e30)
+                assert torch.equal(values, logits.topk(k, dim=-1).values.float().nan_to_num(nan=1e30)), (dtype, k)
+                assert (top[0, 1] == torch.arange(k)).all() and top[1, 1, 0] == vocab // 3
     with pytest.raises(ValueError):
         cpu_kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        cpu_kernels.topk_rows(torch.zeros(2, 3), 4)
 
 
 @needs_kernels

@@ -385,8 +385,7 @@ class Engine:
                                                        [1 + len(p) for p in proposals])
         greedy = [r.params.greedy for r in requests]
         target_argmax = _target_argmax(logits) if any(greedy) else None  # all that greedy rows read
-        topk = getattr(drafter, "target_topk", 0) if drafter is not None else 0
-        if topk or not all(greedy):
+        if not all(greedy):
             logits = for_reduction(logits)  # once (exact): sampling and the drafter's top-k both reduce these
         accepted, emitted = verify_batch([p.tokens for p in proposals], [p.draft_probs for p in proposals],
                                          logits, [r.params for r in requests], [r.generator for r in requests],
@@ -394,7 +393,8 @@ class Engine:
         verify_time = time.perf_counter() - t1
         # What the drafter recycles of the target's work (its cost is the drafter's, booked with `observe`).
         t2 = time.perf_counter()
-        top = topk_indices(logits, topk) if topk else None
+        topk = getattr(drafter, "target_topk", 0) if drafter is not None else 0
+        top = _target_topk(logits, topk) if topk else None
         topk_time = time.perf_counter() - t2
 
         if cap is not None and (cap == 0 or drafting):  # rounds that drafted under a cap, or plain by it
@@ -512,10 +512,22 @@ class Engine:
 
 
 def _target_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1): the kernels' one call on CPU where they are built, else verify's reduction."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available():
+    """logits.argmax(-1): the kernels' one call on CPU where they are built, else verify's reduction (after a
+    forward pass torch's few ops per row cost about 0.1 ms a round on CPU: the pass evicted their caches)."""
+    if _kernels_reduce(logits):
         return cpu_kernels.argmax_rows(logits)
     return argmax(logits)
+
+
+def _target_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k best logits of every row (as `topk_indices`), in one kernel call where built."""
+    if _kernels_reduce(logits) and k <= min(logits.shape[-1], cpu_kernels.TOPK_MAX):
+        return cpu_kernels.topk_rows(logits, k)
+    return topk_indices(logits, k)
+
+
+def _kernels_reduce(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()
 
 
 def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],

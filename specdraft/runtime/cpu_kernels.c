@@ -2560,3 +2560,48 @@ void sd_argmax_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t *o
         out[r] = index;
     }
 }
+
+/* a ranks above b in torch.topk's order: larger first, a NaN above everything; equal values by lower index. */
+static inline int topk_before(float a, int64_t ia, float b, int64_t ib) {
+    const int na = a != a, nb = b != b;
+    if (na || nb) return na && (!nb || ia < ib);
+    return a > b || (a == b && ia < ib);
+}
+
+/* Insert (value, index) into the best-first list of n <= k entries; returns the new length. */
+static int topk_insert(float *vals, int64_t *idx, int n, int k, float v, int64_t i) {
+    if (n == k && !topk_before(v, i, vals[k - 1], idx[k - 1])) return n;
+    int p = n < k ? n : k - 1;
+    while (p > 0 && topk_before(v, i, vals[p - 1], idx[p - 1])) {
+        vals[p] = vals[p - 1];
+        idx[p] = idx[p - 1];
+        p--;
+    }
+    vals[p] = v;
+    idx[p] = i;
+    return n < k ? n + 1 : n;
+}
+
+/* out [R, k] = the indices of the k largest values of each row of x [R, V] (bf16 when is_bf16, else fp32),
+ * best first, a NaN ranking above every number, equal values by lower index: the values torch.topk gives.
+ * The k best entries of a row lie in the k chunks of ARGMAX_CHUNK with the largest maxima (a chunk outside
+ * them has k entries at least as large elsewhere), so only those are searched. k <= 64. */
+void sd_topk_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t k, int64_t *out) {
+    float vals[64], chunk_vals[64];
+    int64_t idx[64], chunks[64];
+    for (int64_t r = 0; r < R; r++) {
+        const void *row = is_bf16 ? (const void *)((const bf16 *)x + r * V) : (const void *)((const float *)x + r * V);
+        int nc = 0, n = 0;
+        for (int64_t c = 0; c < V; c += ARGMAX_CHUNK) {
+            int nan;
+            float m = chunk_max(row, is_bf16, c, c + ARGMAX_CHUNK < V ? c + ARGMAX_CHUNK : V, &nan);
+            if (nan) m = NAN;
+            nc = topk_insert(chunk_vals, chunks, nc, (int)k, m, c);
+        }
+        for (int j = 0; j < nc; j++) {
+            const int64_t c = chunks[j], end = c + ARGMAX_CHUNK < V ? c + ARGMAX_CHUNK : V;
+            for (int64_t i = c; i < end; i++) n = topk_insert(vals, idx, n, (int)k, argmax_value(row, is_bf16, i), i);
+        }
+        for (int64_t j = 0; j < k; j++) out[r * k + j] = j < n ? idx[j] : 0;
+    }
+}

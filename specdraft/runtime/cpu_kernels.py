@@ -197,6 +197,7 @@ _SIGNATURES = {
     "sd_q_half_exact": ([_P, ctypes.c_int, _I, _I], ctypes.c_int),
     "sd_dequant_q": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int, ctypes.c_int], None),
     "sd_argmax_rows": ([_P, ctypes.c_int, _I, _I, _P], None),
+    "sd_topk_rows": ([_P, ctypes.c_int, _I, _I, _I, _P], None),
     "sd_q_row_bytes": ([ctypes.c_int, _I], _I),
     "sd_linear_k_multiple": ([], ctypes.c_int),
     "sd_key_panel_width": ([_I], ctypes.c_int),
@@ -427,14 +428,34 @@ def dequant_q(packed: torch.Tensor, fmt: int, in_features: int, threads: int,
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first maximum, a NaN counting as the maximum) of bf16 or fp32 CPU logits [..., V]
     in one call: after a forward pass torch's few reduction ops per row cost about 90 us a decoded token."""
-    if logits.dtype not in (torch.bfloat16, torch.float32) or logits.device.type != "cpu" or not logits.shape[-1]:
-        raise ValueError(f"argmax_rows takes bf16 or fp32 CPU logits with a vocabulary, not {logits.dtype} "
-                         f"{tuple(logits.shape)} on {logits.device}")
+    _check_logits(logits, "argmax_rows")
     x = logits.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.long)
     vocab = x.shape[-1]
     _lib.sd_argmax_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // vocab, vocab, out.data_ptr())
     return out
+
+
+TOPK_MAX = 64  # the largest k sd_topk_rows takes
+
+
+def topk_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits.topk(k, dim=-1).indices of bf16 or fp32 CPU logits [..., V] in one call: the same values, best
+    first (equal values by lower index), a NaN above every number; 1 <= k <= min(V, TOPK_MAX)."""
+    _check_logits(logits, "topk_rows")
+    vocab = logits.shape[-1]
+    if not 1 <= k <= min(vocab, TOPK_MAX):
+        raise ValueError(f"topk_rows takes 1 <= k <= {min(vocab, TOPK_MAX)}, not {k}")
+    x = logits.contiguous()
+    out = torch.empty(*x.shape[:-1], k, dtype=torch.long)
+    _lib.sd_topk_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // vocab, vocab, k, out.data_ptr())
+    return out
+
+
+def _check_logits(logits: torch.Tensor, name: str) -> None:
+    if logits.dtype not in (torch.bfloat16, torch.float32) or logits.device.type != "cpu" or not logits.shape[-1]:
+        raise ValueError(f"{name} takes bf16 or fp32 CPU logits with a vocabulary, not {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
 
 
 def q_row_bytes(fmt: int, in_features: int) -> int:
