@@ -289,7 +289,8 @@ def run_suite(methods: Sequence, questions: Sequence[Question], build: Callable,
 
     def conversation(m) -> Callable:
         cache = shared_cache(m)
-        engine = getattr(m, "engine", None)
+        engine = getattr(m, "engine", None)  # ours: an Engine that keeps prompt prefixes for reuse
+        engine = engine if hasattr(engine, "prefix_snapshot") else None
         before: list = []
 
         def run(q: Question, repeat: int) -> list[dict] | None:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from specdraft.runtime.kv_cache import KVCache
+from specdraft.verify.greedy import common_prefix  # noqa: F401  (re-exported: drafters, engine)
 from specdraft.verify.sampling import SamplingParams
 from specdraft.verify.tree import ROOT, tree_depths
 
@@ -164,12 +165,3 @@ def node_budgets(drafter: object, request_ids: Sequence[int], max_nodes: Sequenc
         raise ValueError(f"{type(drafter).__name__}: {len(budgets)} node budgets for {len(request_ids)} requests")
     return budgets
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common start of two token sequences (a cache to rewind, a prompt's cached start)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdraft.verify.greedy import argmax
+from specdraft.verify.greedy import argmax, common_prefix
 from specdraft.verify.rejection import pad_vocab, rejection_verify
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sampling_key
 from specdraft.verify.tree import greedy_tree_walk, tree_rejection_verify
@@ -71,7 +71,7 @@ def verify_batch(
             if b in trees:
                 accepted[b], emitted[b] = greedy_tree_walk(draft_tokens[b], parents[b], best[b])
             else:
-                n = leading_matches(draft_tokens[b], best[b])
+                n = common_prefix(draft_tokens[b], best[b])  # the drafts that equal the argmax
                 accepted[b], emitted[b] = list(range(n)), best[b][:n + 1]
     for b in sorted(trees):
         if params[b].greedy:
@@ -103,16 +103,6 @@ def verify_batch(
             n = int(run[i])
             accepted[b], emitted[b] = list(range(n)), out[i, :n + 1].tolist()
     return accepted, emitted
-
-
-def leading_matches(draft: Sequence[int], target_argmax: Sequence[int]) -> int:
-    """How many draft tokens, from the first, equal the target's argmax at their positions."""
-    n = 0
-    for token, best in zip(draft, target_argmax):
-        if token != best:
-            break
-        n += 1
-    return n
 
 
 def _is_tree(parents: Sequence[int]) -> bool:

@@ -7,6 +7,8 @@ because it needs only logits (no softmax) and uses no randomness at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -41,6 +43,17 @@ def greedy_verify(
     # Accepted draft tokens are by definition equal to the target's argmax at their positions, and the
     # token after them is the target's argmax too, so the argmax row already is the output.
     return accepted_len, target_argmax
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common start of two token sequences: a greedy draft's accepted length against the
+    target's argmax row, a cache to rewind, a prompt's cached start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 # Vocabulary chunk of the two-stage reductions below.
