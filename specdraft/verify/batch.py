@@ -73,9 +73,7 @@ def verify_batch(
             else:
                 n = common_prefix(draft_tokens[b], best[b])  # the drafts that equal the argmax
                 accepted[b], emitted[b] = list(range(n)), best[b][:n + 1]
-    for b in sorted(trees):
-        if params[b].greedy:
-            continue
+    for b in sorted(trees.difference(greedy_rows)):  # sampled trees
         rows = target_logits[b, :lengths[b] + 1]
         target_probs = logits_to_probs(rows, params[b])
         probs = draft_probs[b]
