@@ -286,6 +286,27 @@ def test_interrupted_and_resumed_training_ends_with_the_same_weights(target, dat
     assert resumed.history == whole.history
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (`specdraft train eagle --device cuda`)")
+def test_training_on_a_gpu_follows_the_cpu_run(target, dataset, tmp_path):
+    """The same seeded run on a GPU: the same batches and a loss curve that tracks the CPU's (both in bf16
+    mixed precision or fp32, so not bit for bit), and a head that loads and drafts on the CPU afterwards."""
+    train, val = dataset
+    config = TrainConfig(steps=12, batch_size=8, lr=1e-2, warmup=3, ttt_steps=2, draft_vocab=12,
+                         checkpoint_every=6, eval_every=6)
+    on_cpu = train_eagle(target, train, val, tmp_path / "cpu", config, progress=False)
+    gpu_target = tiny_model(seed=0, vocab=VOCAB, layers=4).to("cuda")
+    on_gpu = train_eagle(gpu_target, train, val, tmp_path / "gpu", config, progress=False)
+    assert on_gpu.history["step"] == on_cpu.history["step"]
+    first_cpu, first_gpu = on_cpu.history["loss"][0], on_gpu.history["loss"][0]
+    assert abs(first_gpu - first_cpu) < 0.05 * first_cpu
+    assert on_gpu.history["loss"][-1] < first_gpu
+    assert len(on_gpu.history["val_agreement"]) == 2
+    head = EagleHead.load(tmp_path / "gpu")
+    assert next(head.parameters()).device.type == "cpu"
+    drafter = make_drafter(f"eagle:{tmp_path / 'gpu'}", target, ToyTokenizer(VOCAB), max_len=256, max_batch=3)
+    assert acceptance(target, drafter) > 0
+
+
 # ---------------------------------------------------------------------------------------------- distill
 
 

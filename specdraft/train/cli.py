@@ -25,7 +25,9 @@ def add_commands(sub) -> None:
                          "then recomputes them with a target forward per step)")
     distill.add_argument("--max-batch", type=arg_int_in(1, 256), default=32)
     distill.add_argument("--shard-size", type=arg_int_in(1), default=64)
-    distill.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    distill.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "gguf"],
+                         help="the target's weights while it generates (gguf: a GGUF model's own quantization, "
+                         "the fastest on CPU; its features are recorded in bf16 like the others)")
     distill.add_argument("--seed", type=int, default=0)
     distill.set_defaults(func=cmd_distill)
 
@@ -47,6 +49,8 @@ def add_commands(sub) -> None:
     eagle.add_argument("--eval-every", type=arg_int_in(1), default=100)
     eagle.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
     eagle.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    eagle.add_argument("--device", default="cpu",
+                       help="where the target and the head train (cpu, or cuda on a GPU machine)")
     eagle.set_defaults(func=cmd_train_eagle)
 
     medusa = kinds.add_parser("medusa", help="Medusa-1 heads (use them as --speculative-model medusa:OUT)")
@@ -65,6 +69,8 @@ def add_commands(sub) -> None:
     medusa.add_argument("--eval-every", type=arg_int_in(1), default=100)
     medusa.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
     medusa.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    medusa.add_argument("--device", default="cpu",
+                       help="where the target and the heads train (cpu, or cuda on a GPU machine)")
     medusa.set_defaults(func=cmd_train_medusa)
 
     table = kinds.add_parser("ngram-table", help="the n-gram table of the target's answers that the recycle "
@@ -92,7 +98,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     config = MedusaTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                                heads=args.heads, draft_vocab=args.draft_vocab, seed=args.seed,
                                checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
-    target = load_model(args.model, dtype=args.dtype)
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
     train, val = train_val_split(args.data, layers=_recorded(args.data, [-1]))
     _, history = train_medusa(target, train, val, args.out, config, resume=args.resume, target_info=info)
@@ -206,7 +212,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                          ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed,
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
-    target = load_model(args.model, dtype=args.dtype)
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
     aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
     train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))

@@ -25,7 +25,6 @@ import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.drafters.shipped import target_signature
-from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
 from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     cut,
@@ -34,6 +33,7 @@ from specdraft.train.features import (
     full_readout,
     item_positions,
     item_tokens,
+    mixed_precision,
     target_argmax,
     target_batch,
     training_items,
@@ -99,7 +99,7 @@ class _Batch:
             tb = target_batch(target, items, layers, extra_tokens=steps)
             T = tb.rows
             self.aux = torch.cat([tb.hidden[layer] for layer in layers], dim=-1)[:, :T - 1]  # t needs token t+1
-            self.embeds = target.embed_tokens(tb.tokens[:, 1:T + steps - 1].to(target.device)).float().cpu()
+            self.embeds = target.embed_tokens(tb.tokens[:, 1:T + steps - 1]).float()
             self.soft = draft_distribution(target, tb, readout, head.draft_to_target)  # [B, T, draft vocab]
             if tb.logits is not None or full_readout is not None:
                 self.target_argmax = target_argmax(target, tb, full_readout)
@@ -113,7 +113,7 @@ class _Batch:
 
     def valid(self, s: int) -> torch.Tensor:
         """[B, rows]: step s at row t is real when the target's distribution at t+1+s is known."""
-        t = torch.arange(self.rows)[None, :]
+        t = torch.arange(self.rows, device=self.lengths.device)[None, :]
         return t + 1 + s < self.lengths[:, None]
 
     def target_rows(self, s: int) -> slice:
@@ -123,7 +123,7 @@ class _Batch:
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[1] >= rows:
         return x[:, :rows]
-    pad = torch.zeros(x.shape[0], rows - x.shape[1], *x.shape[2:], dtype=x.dtype)
+    pad = torch.zeros(x.shape[0], rows - x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device)
     return torch.cat([x, pad], dim=1)
 
 
@@ -131,12 +131,9 @@ def batch_losses(head: EagleHead, batch: _Batch) -> tuple[torch.Tensor, list[flo
     """(weighted loss, per-step losses, per-step accuracies in the trained positions, per-step top-1 agreement
     with the target over all real positions)."""
     valid0 = batch.valid(0)
-    # bf16 matrix products with fp32 weights and fp32 losses (mixed precision) where the CPU multiplies bf16 in
-    # hardware (AVX512-BF16, AMX): the head's products run several times faster than in fp32 there.
-    mixed = batch.embeds.device.type == "cpu" and bf16_gemm_is_native()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+    with mixed_precision(batch.embeds.device):
         logits = head.unroll(batch.embeds, head.fuse(batch.aux), batch.steps, valid=valid0)
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.embeds.device)
     losses, accs, agree = [], [], []
     for s, step_logits in enumerate(logits):
         rows = batch.target_rows(s)
@@ -189,7 +186,7 @@ def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_items = training_items(train_items, config.seq_len)
-    head = new_head(target, config, [item_tokens(item) for item in train_items])
+    head = new_head(target, config, [item_tokens(item) for item in train_items]).to(target.device)
     head.eagle.target.update({**(target_info or {}), "signature": target_signature(target)})
     readout = draft_readout(target, head.draft_to_target)
     full = full_readout(target) if val_items else None
@@ -200,5 +197,6 @@ def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence,
 
     history = train_loop(head, config, train_items, [item_positions(item) for item in train_items], step_losses,
                          (lambda: evaluate(target, head, val_items, config, readout, full)) if val_items else None,
-                         out_dir, lambda: head.save(out_dir), resume, stop_after, progress, desc="train eagle")
+                         out_dir, lambda: head.cpu().save(out_dir), resume, stop_after, progress,
+                         desc="train eagle")
     return TrainResult(head, history, out_dir)

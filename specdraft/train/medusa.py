@@ -19,7 +19,6 @@ import torch
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaHeads
 from specdraft.drafters.shipped import target_signature
-from specdraft.runtime.cpu_kernels import bf16_gemm_is_native
 from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     FINAL,
@@ -29,6 +28,7 @@ from specdraft.train.features import (
     full_readout,
     item_positions,
     item_tokens,
+    mixed_precision,
     target_argmax,
     target_batch,
     training_items,
@@ -77,11 +77,11 @@ class _Batch:
 def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list[float], list[float], list[float]]:
     """(weighted loss, per-head losses, per-head accuracies in the trained positions, per-head top-1 agreement
     with the target over all real positions)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_gemm_is_native()):
+    with mixed_precision(batch.hidden.device):
         logits = heads(batch.hidden)  # [B, T, K, V']
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.hidden.device)
     losses, accs, agree = [], [], []
-    t = torch.arange(batch.rows)[None, :]
+    t = torch.arange(batch.rows, device=batch.hidden.device)[None, :]
     for k in range(1, heads.medusa.num_heads + 1):
         rows = batch.rows - k
         if rows <= 0:
@@ -127,7 +127,8 @@ def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: M
             batch = _Batch(target, heads, chunk, readout, full)
             _, _, _, agree = medusa_losses(heads, batch)
             for k, a in enumerate(agree, start=1):
-                n = float(((torch.arange(batch.rows)[None, :] + k) < batch.lengths[:, None]).sum())
+                n = float(((torch.arange(batch.rows, device=batch.lengths.device)[None, :] + k)
+                           < batch.lengths[:, None]).sum())
                 hits[k - 1] += a * n
                 total[k - 1] += n
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
@@ -142,7 +143,7 @@ def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_items = training_items(train_items, config.seq_len)
-    heads = new_heads(target, config, [item_tokens(item) for item in train_items])
+    heads = new_heads(target, config, [item_tokens(item) for item in train_items]).to(target.device)
     heads.medusa.target.update({**(target_info or {}), "signature": target_signature(target)})
     readout = draft_readout(target, heads.draft_to_target)
     full = full_readout(target) if val_items else None
@@ -153,7 +154,7 @@ def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence
 
     history = train_loop(heads, config, train_items, [item_positions(item) for item in train_items], step_losses,
                          (lambda: evaluate(target, heads, val_items, config, readout, full)) if val_items else None,
-                         out_dir, lambda: heads.save(out_dir, dtype=target.dtype), resume, stop_after, progress,
+                         out_dir, lambda: heads.cpu().save(out_dir, dtype=target.dtype), resume, stop_after, progress,
                          desc="train medusa")
     return heads, history
 
