@@ -286,6 +286,28 @@ def test_interrupted_and_resumed_training_ends_with_the_same_weights(target, dat
     assert resumed.history == whole.history
 
 
+def test_warm_start_continues_a_trained_head(target, dataset, tmp_path):
+    """`--init HEAD`: training starts from the head's weights and draft vocabulary (its first loss is the
+    trained head's, far below a fresh head's), records what the head was trained on before, and refuses
+    another draft vocabulary size."""
+    train, val = dataset
+    config = TrainConfig(steps=30, batch_size=8, lr=1e-2, warmup=3, ttt_steps=2, draft_vocab=12,
+                         checkpoint_every=30, eval_every=30)
+    first = train_eagle(target, train, val, tmp_path / "first", config, progress=False,
+                        target_info={"data_settings": {"run": 1}})
+    warm = TrainConfig(steps=5, batch_size=8, lr=1e-3, warmup=2, ttt_steps=2, init_head=str(tmp_path / "first"),
+                       checkpoint_every=5, eval_every=5)
+    second = train_eagle(target, train, val, tmp_path / "second", warm, progress=False,
+                         target_info={"data_settings": {"run": 2}})
+    assert second.history["loss"][0] < 0.9 * first.history["loss"][0]
+    assert torch.equal(second.head.draft_to_target, first.head.draft_to_target)
+    saved = EagleHead.load(tmp_path / "second").eagle.target
+    assert saved["data_settings"] == {"run": 2} and saved["warm_start"]["data_settings"] == {"run": 1}
+    with pytest.raises(SpecdraftError, match="draft vocabulary|drafts over 12"):
+        train_eagle(target, train, val, tmp_path / "third", TrainConfig(steps=2, draft_vocab=10,
+                    init_head=str(tmp_path / "first")), progress=False)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (`specdraft train eagle --device cuda`)")
 def test_training_on_a_gpu_follows_the_cpu_run(target, dataset, tmp_path):
     """The same seeded run on a GPU: the same batches and a loss curve that tracks the CPU's (both in bf16

@@ -49,6 +49,9 @@ def add_commands(sub) -> None:
     eagle.add_argument("--eval-every", type=arg_int_in(1), default=100)
     eagle.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
     eagle.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    eagle.add_argument("--init", default=None, metavar="HEAD_DIR",
+                       help="start from a trained head (eagle:PATH, or `eagle` for the one shipped for the target) "
+                       "and train it further; its draft vocabulary stays")
     eagle.add_argument("--device", default="cpu",
                        help="where the target and the head train (cpu, or cuda on a GPU machine)")
     eagle.set_defaults(func=cmd_train_eagle)
@@ -202,6 +205,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _head_path(ref: str, target) -> str:
+    """A head directory from `eagle` (the one shipped for the target), `eagle:PATH` or PATH."""
+    from specdraft.drafters.shipped import require_shipped_head
+
+    if ref == "eagle":
+        return str(require_shipped_head("eagle", target))
+    return ref.removeprefix("eagle:")
+
+
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from specdraft.drafters.eagle import default_aux_layer_ids
     from specdraft.runtime.loader import load_model
@@ -213,6 +225,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                          ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed,
                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.init is not None:
+        config.init_head = _head_path(args.init, target)
     info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
     aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
     train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))

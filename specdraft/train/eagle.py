@@ -25,6 +25,7 @@ import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.drafters.shipped import target_signature
+from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     cut,
@@ -58,6 +59,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     eval_every: int = 100
     init_from_target: bool = True  # lm_head rows and final norm from the target's; fc passes the high stream
+    init_head: str | None = None  # start from this trained head (its weights and draft vocabulary) instead
 
 
 @dataclass
@@ -68,6 +70,8 @@ class TrainResult:
 
 
 def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequence[int]]) -> EagleHead:
+    if config.init_head is not None:
+        return warm_start(target, config)
     vocab = target.config.vocab_size
     size = min(config.draft_vocab or vocab, vocab)
     head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=size)).init_weights(config.seed)
@@ -83,6 +87,20 @@ def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequ
             head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target].float())
             if not target.config.is_gemma:
                 head.norm.weight.copy_(target.norm.weight.float())
+    return head.float().trainable()
+
+
+def warm_start(target: Transformer, config: TrainConfig) -> EagleHead:
+    """A trained head to train further (more data, more steps), in fp32: its draft vocabulary stays, so
+    `draft_vocab` must be unset or equal to it."""
+    head = EagleHead.load(config.init_head)
+    head.check_target(target)
+    if target_signature(target) != head.eagle.target.get("signature", target_signature(target)):
+        raise SpecdraftError(f"{config.init_head} was trained for another target "
+                             f"({head.eagle.target.get('signature')})")
+    size = head.eagle.draft_vocab_size
+    if config.draft_vocab not in (None, size):
+        raise SpecdraftError(f"{config.init_head} drafts over {size} tokens; drop --draft-vocab or set it to {size}")
     return head.float().trainable()
 
 
@@ -187,7 +205,10 @@ def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence,
     out_dir.mkdir(parents=True, exist_ok=True)
     train_items = training_items(train_items, config.seq_len)
     head = new_head(target, config, [item_tokens(item) for item in train_items]).to(target.device)
+    earlier = dict(head.eagle.target) if config.init_head is not None else None
     head.eagle.target.update({**(target_info or {}), "signature": target_signature(target)})
+    if earlier is not None:  # what the warm start had been trained on
+        head.eagle.target["warm_start"] = {k: v for k, v in earlier.items() if k != "signature"}
     readout = draft_readout(target, head.draft_to_target)
     full = full_readout(target) if val_items else None
 
