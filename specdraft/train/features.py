@@ -65,7 +65,7 @@ class TargetBatch:
     tokens: torch.Tensor  # [B, T + extra] long, zero-padded
     lengths: torch.Tensor  # [B]: positions with known features and distributions
     hidden: dict[int, torch.Tensor]  # {layer: [B, T, dim]} fp32 (FINAL: final-normed)
-    logits: torch.Tensor | None = None  # [B, T, vocab] when a target forward computed them
+    logits: torch.Tensor | None = None  # [B, T, vocab] in the target's dtype when a target forward computed them
 
     @property
     def rows(self) -> int:
@@ -102,8 +102,11 @@ def target_batch(target: Transformer, items: Sequence, layers: Sequence[int], ex
     hidden = {FINAL: out.hidden.float()}
     for layer in capture:
         hidden[layer] = out.captured[capture.index(layer)].float()
-    return TargetBatch(tokens.to(device), torch.tensor([len(s) for s in seqs], device=device), hidden,
-                       out.logits.float())
+    # The logits stay in the model's dtype: the soft labels need only the draft vocabulary's columns in fp32,
+    # and an argmax is the same over bf16 values as over their exact fp32 copies. This spares a whole-vocabulary
+    # fp32 copy (6.4 GB for 32 x 1024 tokens of SmolLM2 on a GPU); on 2 CPU cores the step time did not
+    # change measurably (8 x 437 tokens: medians 4.73 s against 4.67 s, runs vary by 1 s; same losses).
+    return TargetBatch(tokens.to(device), torch.tensor([len(s) for s in seqs], device=device), hidden, out.logits)
 
 
 def mixed_precision(device: torch.device) -> torch.autocast:
@@ -127,7 +130,7 @@ def draft_distribution(target: Transformer, batch: TargetBatch, readout: torch.T
                        draft_to_target: torch.Tensor) -> torch.Tensor:
     """[B, T, draft_vocab]: the target's next-token distribution at every row, over the draft vocabulary."""
     if batch.logits is not None:
-        logits = batch.logits[..., draft_to_target]
+        logits = batch.logits[..., draft_to_target].float()
     else:
         logits = _softcap(target, batch.hidden[FINAL] @ readout.T)
     return torch.softmax(logits, dim=-1)
