@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.eagle import EagleHead, default_aux_layer_ids
-from specdraft.runtime.loader import load_model, resolve
-from specdraft.train.data import model_fingerprint, read_manifest, train_val_split
+from specdraft.runtime.loader import load_model
+from specdraft.train.data import model_identity, read_manifest, train_val_split
 from specdraft.train.eagle import TrainConfig, train_eagle
 
 TIMING_SKIP = 5  # warm-up steps not timed (CUDA start-up, cuBLAS heuristics)
@@ -52,8 +52,9 @@ def main() -> None:
     out = Path(args.out)
     started = time.perf_counter()
     target = load_model(args.model, dtype="bf16", device=args.device)
-    info = {"model": args.model_name or args.model, "model_fingerprint": model_fingerprint(resolve(args.model)),
-            "data_settings": read_manifest(args.data).get("settings", {})}
+    info = {**model_identity(args.model), "data_settings": read_manifest(args.data).get("settings", {})}
+    if args.model_name:
+        info["model"] = args.model_name
     aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
     train, val = train_val_split(args.data, layers=[])
     loaded = time.perf_counter()

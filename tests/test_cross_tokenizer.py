@@ -9,7 +9,7 @@ from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_residual_verify
 from tiny_models import ToyTokenizer, tiny_model
 
 import specdraft.verify.batch as verify_batch_module
-from specdraft.drafters.base import DraftRequest, Proposal, common_prefix
+from specdraft.drafters.base import DraftRequest, Proposal
 from specdraft.drafters.cross_tokenizer import (
     CrossTokenizerDrafter,
     continuation_text,
@@ -19,6 +19,7 @@ from specdraft.drafters.cross_tokenizer import (
 )
 from specdraft.drafters.draft_model import ModelDrafter, tokenizers_match
 from specdraft.engine.core import Engine
+from specdraft.verify.greedy import common_prefix
 from specdraft.verify.rejection import one_hot_probs
 from specdraft.verify.sampling import SamplingParams
 

@@ -8,12 +8,13 @@ import torch
 from test_cpu_kernels import kernel_model, needs_kernels
 from tiny_models import ToyTokenizer, tiny_model
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
+from specdraft.verify.greedy import common_prefix
 from specdraft.verify.sampling import SamplingParams
 
 FIXED = AdaptiveConfig(enabled=False)

@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 
 from specdraft.runtime.kv_cache import KVCache
-from specdraft.verify.greedy import common_prefix  # noqa: F401  (re-exported: drafters, engine)
 from specdraft.verify.sampling import SamplingParams
 from specdraft.verify.tree import ROOT, tree_depths
 

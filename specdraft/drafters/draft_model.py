@@ -30,13 +30,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, common_prefix
+from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
+from specdraft.verify.greedy import common_prefix
 from specdraft.verify.sampling import SamplingParams, logits_to_probs, sample_rows
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified, common_prefix
+from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
 from specdraft.engine.adaptive import (
     AdaptiveConfig,
     BatchDepthChooser,
@@ -53,7 +53,7 @@ from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
-from specdraft.verify.greedy import argmax, for_reduction, topk_indices
+from specdraft.verify.greedy import argmax, common_prefix, for_reduction, topk_indices
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 

@@ -94,7 +94,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"
 
 def cmd_train_medusa(args: argparse.Namespace) -> int:
     from specdraft.runtime.loader import load_model
-    from specdraft.train.data import read_manifest, train_val_split
+    from specdraft.train.data import model_identity, read_manifest, train_val_split
     from specdraft.train.medusa import MedusaTrainConfig, train_medusa
 
     manifest = read_manifest(args.data)
@@ -102,7 +102,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
                                heads=args.heads, draft_vocab=args.draft_vocab, seed=args.seed,
                                checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
-    info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
+    info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
     train, val = train_val_split(args.data, layers=_recorded(args.data, [-1]))
     _, history = train_medusa(target, train, val, args.out, config, resume=args.resume, target_info=info)
     if history["val_agreement"]:
@@ -113,11 +113,12 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
 
 def cmd_train_ngram_table(args: argparse.Namespace) -> int:
     from specdraft.runtime.loader import load_model
+    from specdraft.train.data import model_identity
     from specdraft.train.ngram_table import build_ngram_table
 
     target = load_model(args.model, dtype="bf16", progress=False)
     table = build_ngram_table(target, args.data, args.out, top=args.top, min_count=args.min_count,
-                              target_info=_identity(args.model))
+                              target_info=model_identity(args.model))
     meta = table.meta
     print(f"{args.out}: {len(table)} contexts from {meta['answer_tokens']} answer tokens of {meta['sequences']} "
           f"sequences; use it with --speculative-model recycle:{args.out}")
@@ -176,18 +177,11 @@ def _recorded(data_dir: str, layers: list[int]) -> list[int]:
     return []
 
 
-def _identity(model: str) -> dict:
-    from specdraft.runtime.loader import resolve
-    from specdraft.train.data import model_fingerprint
-
-    return {"model": model, "model_fingerprint": model_fingerprint(resolve(model))}
-
-
 def cmd_distill(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdraft.runtime.loader import load_model, load_tokenizer
-    from specdraft.train.data import file_sha256
+    from specdraft.train.data import file_sha256, model_identity
     from specdraft.train.distill import DistillConfig, distill, head_feature_layers, read_prompts
 
     prompts = read_prompts(args.prompts, None if args.shuffle else args.limit)
@@ -196,7 +190,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = DistillConfig(max_tokens=args.max_tokens, shard_size=args.shard_size, max_batch=args.max_batch,
                            limit=args.limit, seed=args.seed, shuffle=args.shuffle,
                            max_prompt_tokens=args.max_prompt_tokens, hidden_layers=layers)
-    identity = {**_identity(args.model), "prompts_sha256": file_sha256(args.prompts), "dtype": args.dtype}
+    identity = {**model_identity(args.model), "prompts_sha256": file_sha256(args.prompts), "dtype": args.dtype}
     manifest = distill(model, tokenizer, prompts, args.out, config, identity)
     disk = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(f"{args.out}: {manifest['train_sequences']} train / {manifest['val_sequences']} validation sequences, "
@@ -217,7 +211,7 @@ def _head_path(ref: str, target) -> str:
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from specdraft.drafters.eagle import default_aux_layer_ids
     from specdraft.runtime.loader import load_model
-    from specdraft.train.data import read_manifest, train_val_split
+    from specdraft.train.data import model_identity, read_manifest, train_val_split
     from specdraft.train.eagle import TrainConfig, train_eagle
 
     manifest = read_manifest(args.data)
@@ -227,7 +221,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.init is not None:
         config.init_head = _head_path(args.init, target)
-    info = {**_identity(args.model), "data_settings": manifest.get("settings", {})}
+    info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
     aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
     train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))
     result = train_eagle(target, train, val, args.out, config, resume=args.resume, target_info=info)

@@ -144,6 +144,13 @@ def file_sha256(path: str | Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
+def model_identity(model: str) -> dict:
+    """What data and heads record of the model they were made with: its reference and fingerprint."""
+    from specdraft.runtime.loader import resolve
+
+    return {"model": model, "model_fingerprint": model_fingerprint(resolve(model))}
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
     """A cheap identity of a model directory: its config and the names and sizes of its weight files (hashing
     gigabytes of weights for a manifest is not worth the minutes)."""

@@ -95,9 +95,9 @@ def warm_start(target: Transformer, config: TrainConfig) -> EagleHead:
     `draft_vocab` must be unset or equal to it."""
     head = EagleHead.load(config.init_head)
     head.check_target(target)
-    if target_signature(target) != head.eagle.target.get("signature", target_signature(target)):
-        raise SpecdraftError(f"{config.init_head} was trained for another target "
-                             f"({head.eagle.target.get('signature')})")
+    recorded = head.eagle.target.get("signature")
+    if recorded is not None and recorded != target_signature(target):
+        raise SpecdraftError(f"{config.init_head} was trained for another target ({recorded})")
     size = head.eagle.draft_vocab_size
     if config.draft_vocab not in (None, size):
         raise SpecdraftError(f"{config.init_head} drafts over {size} tokens; drop --draft-vocab or set it to {size}")
