@@ -11,7 +11,9 @@ Linear layers take the best path the CPU has: AMX tiles (Intel Sapphire Rapids a
 tokens costs little more than one, since the tiles do the arithmetic at the speed the weights stream in),
 AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one path for every bf16 layer
 (decoding one token included), so the bits never depend on the block. `SPECDRAFT_KERNEL_AMX=0` keeps an AMX
-CPU on the AVX512-BF16 path. Where a CPU retires AVX512-BF16 dot products at less than half the rate of fp32
+CPU on the AVX512-BF16 path. GGUF-native 4-bit layers multiply with VNNI integer dot products, and blocks of
+32 rows or more on AMX-INT8 tiles where the CPU has them (the same bits; `SPECDRAFT_Q_AMX_ROWS` moves the
+threshold, 0 keeps them on VNNI). Where a CPU retires AVX512-BF16 dot products at less than half the rate of fp32
 FMAs (measured once per CPU, `bf16_dot_pays`), the native build leaves them out and takes the AVX-512 path.
 
 The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
@@ -191,6 +193,7 @@ _SIGNATURES = {
     "sd_q_scratch_floats": ([_I, _I], _I),
     "sd_linear_qp": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_panels": ([], ctypes.c_int),
+    "sd_q_amx": ([], ctypes.c_int),
     "sd_qp_panel_bytes": ([ctypes.c_int, _I], _I),
     "sd_q_to_panels": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
     "sd_q_rows_from_panels": ([_P, ctypes.c_int, _I, _P, _I, _P, ctypes.c_int], None),
@@ -225,6 +228,11 @@ def load() -> ctypes.CDLL | None:
             getattr(lib, name).restype = restype
         if os.environ.get("SPECDRAFT_KERNEL_AMX", "1") != "0":
             lib.sd_amx_init()  # AMX builds use tiles from here on, for every bf16 linear layer, if Linux allows
+        rows = os.environ.get("SPECDRAFT_Q_AMX_ROWS")
+        if rows is not None:  # 4-bit GGUF panels on AMX-INT8 tiles from this many rows (0: never; q_amx_rows)
+            if not rows.isdigit():
+                raise RuntimeError(f"SPECDRAFT_Q_AMX_ROWS must be an integer >= 0, got {rows!r}")
+            ctypes.c_int64.in_dll(lib, "sd_q_amx_rows").value = int(rows)
         _lib = lib
     except (OSError, RuntimeError) as exc:
         _load_error = str(exc)
@@ -336,6 +344,19 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
 def q_panels_active() -> bool:
     """Whether GGUF-native weights are multiplied in panels (`q_panels`) on this CPU (AVX-512)."""
     return bool(_lib.sd_q_panels())
+
+
+def q_amx_rows(rows: int | None = None) -> int:
+    """The block size from which 4-bit GGUF panels multiply on AMX-INT8 tiles (0: never; always 0 where the
+    build or the CPU has no AMX, or SPECDRAFT_KERNEL_AMX=0). Both paths give every row the same bits, so this is
+    only about speed: `rows` sets it (benchmarks, tests) and the previous value is returned."""
+    setting = ctypes.c_int64.in_dll(_lib, "sd_q_amx_rows")
+    previous = setting.value if _lib.sd_q_amx() else 0
+    if rows is not None:
+        if not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
+        setting.value = rows
+    return previous
 
 
 def q_panels(packed: torch.Tensor, fmt: int, in_features: int, half_scales: bool = True
