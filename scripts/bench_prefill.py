@@ -1,7 +1,7 @@
 """Prefill of one prompt on the fused kernels in causal chunks of each size in --chunks against one GEMM over
 the prompt, on a bundled model, interleaved, medians of repeats. The figures behind `CHUNKED_PREFILL_TOKENS`
 and `PREFILL_CHUNK_TOKENS` in runtime/model.py; with --q-amx-rows, each chunk size also at each threshold of
-the AMX-INT8 4-bit panels (`cpu_kernels.q_amx_rows`, 0: VNNI only).
+the AMX-INT8 GGUF panels (`cpu_kernels.q_amx_rows`, 0: VNNI only).
 
     python scripts/bench_prefill.py [--model smollm2-135m] [--dtype gguf|bf16] [--lengths 40,200,500,1000]
         [--chunks 32,64,128] [--q-amx-rows 0,64]
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--chunks", default=str(model_module.PREFILL_CHUNK_TOKENS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--q-amx-rows", default=None,
-                        help="comma-separated thresholds for AMX-INT8 4-bit panels to compare (0: VNNI only)")
+                        help="comma-separated thresholds for AMX-INT8 GGUF panels to compare (0: VNNI only)")
     args = parser.parse_args()
     print(machine_info(), "kernel path:", cpu_kernels.simd_path() if cpu_kernels.available() else "none")
     model = load_model(args.model, dtype=args.dtype, progress=False)

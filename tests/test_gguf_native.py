@@ -160,15 +160,15 @@ def test_native_linear_matches_fp32_and_rows_are_independent(qtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_amx_int8_tiles_give_each_row_the_bits_of_the_vnni_panels(qtype):
-    """Prompt-sized blocks of 4-bit layers multiply on AMX-INT8 tiles where the CPU has them: the same integer
-    sums and the same fp32 scaling, so the same bits as the VNNI panels (and so as decoding), for block sizes
-    that are and are not multiples of the tiles' 16 rows and an odd number of blocks of 32."""
+    """Blocks of many rows multiply on AMX-INT8 tiles where the CPU has them (4-bit layouts as int8 products,
+    8-bit ones as two products of the 16-bit activations' high and low bytes): the same integer sums and the
+    same fp32 scaling, so the same bits as the VNNI panels (and so as decoding), for block sizes that are and
+    are not multiples of the tiles' 16 rows and an odd number of blocks."""
     if not cpu_kernels.q_amx_rows():
         pytest.skip("no AMX-INT8 tiles on this CPU or in this build")
-    in_features = 512 if qtype in SUPER_BLOCK else 544  # 544: 17 blocks of 32
+    # 17 blocks of 32 (or 34 of 16); the K-quants need whole super-blocks of 256
+    in_features = 512 if qtype in SUPER_BLOCK else 544
     layer = native_linear(qtype, 37, in_features, seed=11, bias=True)
-    if layer.fmt != Q4:
-        pytest.skip("only 4-bit layouts take the tiles (8- and 16-bit activations stay on VNNI)")
     previous = cpu_kernels.q_amx_rows()
     try:
         for rows in (32, 47, 48, 150):

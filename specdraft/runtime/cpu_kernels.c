@@ -138,7 +138,7 @@ int sd_has_avx512(void) {
 
 /* Set by sd_amx_init (AMX builds, when Linux grants the tile state). */
 int sd_amx_active = 0;
-int64_t sd_q_amx_rows = 32; /* 4-bit GGUF panels on AMX-INT8 tiles from this many rows (linear_qp_amx_for) */
+int64_t sd_q_amx_rows = 32; /* GGUF panels on AMX-INT8 tiles from this many rows (linear_qp_amx_for) */
 
 /* Which code path the linear layers take: 4 AMX tiles, 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int sd_simd_level(void) {
@@ -1092,7 +1092,8 @@ int64_t sd_q_row_bytes(int fmt, int64_t K) { return q_row_bytes(fmt, K); }
 int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefetched from */
 #define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
 
-/* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
+/* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats, which
+ * also hold them as AMX tiles: q_tiles_at):
  * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only:
  * d * sum X of each block, what the block's offset multiplies). */
 typedef struct {
@@ -1110,7 +1111,12 @@ static inline q_input q_input_from(q_input all, int fmt, int64_t m, int64_t K) {
     return in;
 }
 
-static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K / 2 + M * K / 16 + M * K / 32 + 16; }
+static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K + M * K / 16 + M * K / 32 + 32; }
+
+/* Where the activations of the call go as AMX tiles (linear_qp_amx_for): M * K * 2 bytes past the rest. */
+static inline int8_t *q_tiles_at(float *scratch, int64_t M, int64_t K) {
+    return (int8_t *)(scratch + M * K / 2 + M * K / 16 + M * K / 32 + 32);
+}
 
 static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
     q_input in = {(int16_t *)scratch, scratch + M * K / 2 + 8, NULL};
@@ -1800,119 +1806,171 @@ static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bi
 
 #if defined(SD_AMX) && defined(__AMX_INT8__)
 #define SD_AMX_INT8 1
-/* 4-bit panels on AMX-INT8 tiles, for prompt-sized blocks (decoding keeps the VNNI panels: measured at 8 and 16
- * rows the tiles lost, because every block of 32 has its own scales and its 16 x 16 integer sums must leave the
- * tile through memory to be scaled; a prompt's 128-row chunk reuses each panel's unpacked nibbles over 8 tiles
- * of rows). One TDPBSUD multiplies a block's int8 activations of 16 rows (A: 16 x 32 bytes) by its nibbles
- * (B: 8 quads x 16 outputs x 4 bytes, exactly the low and high nibbles of a panel chunk) into the same exact
- * int32 sums qp_tile forms with VPDPBUSD; the fp32 scaling that follows is qp_tile's, operation for operation,
- * in the same block order. So a row gets the bits it gets from the VNNI panels: any block size, any path.
- * Blocks of at least sd_q_amx_rows rows take it (defined above; 0: never): measured on layer shapes of SmolLM2
- * (Sapphire Rapids), tiles are as fast as VNNI at 32 rows and 1.2-1.5x faster from 48 on. */
+/* GGUF panels on AMX-INT8 tiles, for blocks of many rows (a prompt's chunk, a wide verification): measured at 8
+ * and 16 rows tiles lose to the VNNI panels, because every block of E has its own scales and its 16 x 16 integer
+ * sums must leave the tile through memory to be scaled; from 32 rows on they gain (scripts/bench_q_amx.py).
+ * One tile product multiplies a block's activations of 16 rows (A: 16 rows x E bytes) by the block's weights of
+ * a panel (B: E / 4 quads x 16 outputs x 4 bytes) into the exact int32 sums qp_tile forms with VPDPBUSD /
+ * VPDPWSSD:
+ *   SD_W_Q4: int8 activations times the nibbles (TDPBSUD; B rows are a panel chunk's low and high nibbles);
+ *   SD_W_Q8, SD_W_Q8H: 16-bit activations X = 256 hi + lo as two products, signed hi bytes (TDPBSSD) and
+ *   unsigned lo bytes (TDPBUSD) times the int8 weights, then sum = 256 sum_hi + sum_lo (|sum| < 2^27).
+ * The fp32 scaling that follows is qp_tile's, operation for operation, in the same block order: a row gets the
+ * bits the VNNI panels give it, so decoding's bits, at any block size. Blocks of at least sd_q_amx_rows rows
+ * take it (0: never). */
 
-/* Tiles 0-1 integer sums (16 x 16 int32), 2-3 activations (16 rows x 32 bytes), 4-5 nibbles (8 x 64 bytes). */
-static void amx_configure_q4(void) {
+/* Tiles 0-1 integer sums (16 x 16 int32), 2-3 activations (16 rows x E bytes), 4-5 weights (E / 4 rows x 64
+ * bytes): Q4 runs two sets (0, 2, 4) and (1, 3, 5) by turns, Q8 one set of two products (hi and lo sums, hi and
+ * lo activations, the weights in 4). */
+static void amx_configure_q(int64_t E) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; t++) {
-        cfg.rows[t] = t >= 4 ? 8 : 16;
-        cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+        cfg.rows[t] = t >= 4 ? (uint8_t)(E / 4) : 16;
+        cfg.colsb[t] = t == 2 || t == 3 ? (uint16_t)E : 64;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* Rows [0, M) (M a multiple of 16) of a 4-bit panel layer, work-shared over panels; `in` as for qp_tile.
- * `tiles` (M * K bytes) receives the int8 activations as A tiles first: tile (row tile t, block b) is 512
- * contiguous bytes at (t * nblk + b) * 512, which a tile load reads as 8 whole lines (16 half lines K bytes
- * apart, re-read for every panel from L2, held the tile loads up: a quarter of the layer's time). */
+/* Rows [0, M) (M a multiple of 16) of a panel layer (fmt: a GGUF layout | SD_W_HALF), work-shared over panels;
+ * `in` as for qp_tile. `tiles` (2 M K bytes) receives the activations as A tiles first: tile (row tile t, block
+ * b) at (t * nblk + b) * 16 * E * parts, parts = 1 (Q4) or 2 (hi, then lo), so a tile load reads whole lines
+ * (rows K bytes apart, re-read for every panel from L2, held the loads up: a quarter of the layer's time). */
 static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y,
                               int64_t M, int64_t N, int64_t K) {
-    const int half = (fmt & SD_W_HALF) != 0;
-    const int64_t SC = half ? 32 : 64, PB = qp_block_bytes(fmt), nblk = K / 32;
+    const int half = (fmt & SD_W_HALF) != 0, base = fmt & SD_W_GGUF, q4 = base == SD_W_Q4;
+    const int64_t E = q_block_elems(base), SC = half ? 32 : 64, PB = qp_block_bytes(fmt), nblk = K / E;
+    const int64_t parts = q4 ? 1 : 2, tile_bytes = 16 * E, unit = tile_bytes * parts;
     const int64_t npanels = (N + QPANEL - 1) / QPANEL, panel_bytes = qp_panel_bytes(fmt, K);
-    const int8_t *X8 = q_x8(in);
 #pragma omp for schedule(static)
     for (int64_t tb = 0; tb < M / 16 * nblk; tb++) {
         const int64_t t = tb / nblk, b = tb % nblk;
-        for (int j = 0; j < 16; j++)
-            _mm256_storeu_si256((__m256i *)(tiles + tb * 512 + 32 * j),
-                                _mm256_loadu_si256((const __m256i *)(X8 + (16 * t + j) * K + 32 * b)));
+        int8_t *dst = tiles + tb * unit;
+        for (int j = 0; j < 16; j++) {
+            const int64_t row = 16 * t + j;
+            if (q4) {
+                memcpy(dst + j * E, q_x8(in) + row * K + b * E, (size_t)E);
+                continue;
+            }
+            for (int64_t e = 0; e < E; e += 16) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(in.X + row * K + b * E + e));
+                _mm_storeu_si128((__m128i *)(dst + j * E + e), _mm256_cvtepi16_epi8(_mm256_srai_epi16(x, 8)));
+                _mm_storeu_si128((__m128i *)(dst + tile_bytes + j * E + e), _mm256_cvtepi16_epi8(x));
+            }
+        }
     }
-    /* per thread: a panel's blocks as B tiles, its scales and offsets in fp32, two tiles of sums, 16 rows' offsets */
-    uint8_t *nibbles = aligned_alloc(64, (size_t)(nblk * 512));
+    /* per thread: a panel's blocks as B tiles, its scales (and Q4's offsets) in fp32, the sums of two blocks,
+     * 16 rows' offset terms */
+    uint8_t *weights = aligned_alloc(64, (size_t)(nblk * tile_bytes));
     float *scales = aligned_alloc(64, (size_t)(nblk * 32) * sizeof(float)), *offsets = scales + nblk * 16;
-    int32_t *sums = aligned_alloc(64, 2 * 256 * sizeof(int32_t));
+    int32_t *sums = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
     float *row_offsets = aligned_alloc(64, 256 * sizeof(float));
-    if (!nibbles || !scales || !sums || !row_offsets) abort();
-    amx_configure_q4();
+    if (!weights || !scales || !sums || !row_offsets) abort();
+    amx_configure_q(E);
+    /* word 2n of a quad row: word n of the first pair (elements 4r, 4r + 1), word 2n + 1: of the second */
+    __m512i interleave = _mm512_setzero_si512();
+    for (int n = 0; n < 16; n++) {
+        interleave = _mm512_mask_set1_epi16(interleave, (__mmask32)(1u << (2 * n)), (short)n);
+        interleave = _mm512_mask_set1_epi16(interleave, (__mmask32)(1u << (2 * n + 1)), (short)(32 + n));
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
 #pragma omp for PANEL_SCHEDULE
     for (int64_t p = 0; p < npanels; p++) {
         const uint8_t *wp = w + p * panel_bytes;
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        for (int64_t b = 0; b < nblk; b++) { /* chunk h: quad 2h in the low nibbles, quad 2h + 1 in the high */
-            const uint8_t *blk = wp + b * PB, *quants = blk + 2 * SC;
+        for (int64_t b = 0; b < nblk; b++) {
+            const uint8_t *blk = wp + b * PB, *quants = blk + (q4 ? 2 * SC : SC);
+            uint8_t *bt = weights + b * tile_bytes;
             _mm512_store_ps(scales + 16 * b, qp_scales(blk, half));
-            _mm512_store_ps(offsets + 16 * b, qp_scales(blk + SC, half));
-            for (int h = 0; h < 4; h++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(quants + 64 * h));
-                _mm512_store_si512((void *)(nibbles + b * 512 + 128 * h), _mm512_and_si512(v, low));
-                _mm512_store_si512((void *)(nibbles + b * 512 + 128 * h + 64),
-                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            if (q4) { /* chunk h: quad 2h in the low nibbles, quad 2h + 1 in the high */
+                _mm512_store_ps(offsets + 16 * b, qp_scales(blk + SC, half));
+                for (int h = 0; h < 4; h++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(quants + 64 * h));
+                    _mm512_store_si512((void *)(bt + 128 * h), _mm512_and_si512(v, low));
+                    _mm512_store_si512((void *)(bt + 128 * h + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+            } else { /* quad r: pairs 2r and 2r + 1 word by word */
+                for (int64_t r = 0; r < E / 4; r++) {
+                    const __m512i first = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(quants + 64 * r)));
+                    const __m512i second = _mm512_castsi256_si512(
+                        _mm256_loadu_si256((const __m256i *)(quants + 64 * r + 32)));
+                    _mm512_store_si512((void *)(bt + 64 * r), _mm512_permutex2var_epi16(first, interleave, second));
+                }
             }
         }
         const int64_t n0 = p * QPANEL, valid = N - n0 < QPANEL ? N - n0 : QPANEL;
         const __mmask16 lanes = (__mmask16)(valid >= 16 ? 0xffffu : (1u << valid) - 1);
         const __m512 bv = bias ? load_bf16x16_masked(bias + n0, lanes) : _mm512_setzero_ps();
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
-            const int8_t *xt = tiles + m0 / 16 * nblk * 512;
+            const int8_t *xt = tiles + m0 / 16 * nblk * unit;
             const float *row_scale = in.scale + m0 * nblk;
             __m512 acc[16];
-            /* the offset terms first, block by block as qp_tile sums them */
+            if (q4) { /* the offset terms first, block by block as qp_tile sums them */
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nblk; b++) {
+                    const __m512 m = _mm512_load_ps(offsets + 16 * b);
+                    for (int j = 0; j < 16; j++)
+                        acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.offset_in[(m0 + j) * nblk + b]), acc[j]);
+                }
+                for (int j = 0; j < 16; j++) _mm512_store_ps(row_offsets + 16 * j, acc[j]);
+            }
             for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nblk; b++) {
-                const __m512 m = _mm512_load_ps(offsets + 16 * b);
-                for (int j = 0; j < 16; j++)
-                    acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.offset_in[(m0 + j) * nblk + b]), acc[j]);
-            }
-            for (int j = 0; j < 16; j++) {
-                _mm512_store_ps(row_offsets + 16 * j, acc[j]);
-                acc[j] = _mm512_setzero_ps();
-            }
-            /* Two blocks in flight, in tiles 0 and 1 by turns: block b + 1's product is issued and block b's
-             * sums leave their tile before block b - 1's sums (stored a step earlier, so no load waits on the
-             * tile store) are scaled. Unrolled by two, so the tile numbers are constants and the accumulators
-             * stay in registers. */
-#define QA_ISSUE(C, A, B, blk)                                        \
-    do {                                                              \
-        _tile_loadd(A, xt + 512 * (blk), 32);                         \
-        _tile_loadd(B, nibbles + (blk) * 512, 64);                    \
-        _tile_zero(C);                                                \
-        _tile_dpbsud(C, A, B);                                        \
+#define QA_SCALE(isum, blk, two_parts)                                                                      \
+    do {                                                                                                    \
+        const __m512 s = _mm512_load_ps(scales + 16 * (blk));                                               \
+        for (int j = 0; j < 16; j++) {                                                                      \
+            __m512i v = _mm512_load_si512((const void *)((isum) + 16 * j));                                 \
+            if (two_parts)                                                                                  \
+                v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512((const void *)((isum) + 256 + 16 * j))); \
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(row_scale[j * nblk + (blk)])); \
+            acc[j] = _mm512_fmadd_ps(s, t, acc[j]);                                                         \
+        }                                                                                                   \
     } while (0)
-#define QA_SCALE(isum, blk)                                                                                  \
-    do {                                                                                                   \
-        const __m512 s = _mm512_load_ps(scales + 16 * (blk));                                              \
-        for (int j = 0; j < 16; j++) {                                                                     \
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)((isum) + 16 * j))), \
-                                           _mm512_set1_ps(row_scale[j * nblk + (blk)]));                   \
-            acc[j] = _mm512_fmadd_ps(s, t, acc[j]);                                                        \
-        }                                                                                                  \
+            if (q4) {
+                /* Two blocks in flight, in tile sets (0, 2, 4) and (1, 3, 5) by turns: block b + 1's product is
+                 * issued and block b's sums leave their tile before block b - 1's sums (stored a step earlier,
+                 * so no load waits on a tile store) are scaled. Unrolled by two: tile numbers are constants. */
+#define QA_ISSUE(C, A, B, blk)                                   \
+    do {                                                         \
+        _tile_loadd(A, xt + (blk) * unit, E);                    \
+        _tile_loadd(B, weights + (blk) * tile_bytes, 64);        \
+        _tile_zero(C);                                           \
+        _tile_dpbsud(C, A, B);                                   \
     } while (0)
-            QA_ISSUE(0, 2, 4, 0);
-            for (int64_t b = 0; b < nblk; b += 2) { /* tile 0 holds block b's product */
-                if (b + 1 < nblk) QA_ISSUE(1, 3, 5, b + 1);
-                _tile_stored(0, sums, 64);
-                if (b > 0) QA_SCALE(sums + 256, b - 1);
-                if (b + 2 < nblk) QA_ISSUE(0, 2, 4, b + 2);
-                if (b + 1 < nblk) _tile_stored(1, sums + 256, 64);
-                QA_SCALE(sums, b);
-            }
-            if (nblk % 2 == 0) QA_SCALE(sums + 256, nblk - 1);
-#undef QA_SCALE
+                QA_ISSUE(0, 2, 4, 0);
+                for (int64_t b = 0; b < nblk; b += 2) { /* tile 0 holds block b's product */
+                    if (b + 1 < nblk) QA_ISSUE(1, 3, 5, b + 1);
+                    _tile_stored(0, sums, 64);
+                    if (b > 0) QA_SCALE(sums + 512, b - 1, 0);
+                    if (b + 2 < nblk) QA_ISSUE(0, 2, 4, b + 2);
+                    if (b + 1 < nblk) _tile_stored(1, sums + 512, 64);
+                    QA_SCALE(sums, b, 0);
+                }
+                if (nblk % 2 == 0) QA_SCALE(sums + 512, nblk - 1, 0);
 #undef QA_ISSUE
+            } else {
+                /* Block b's two products are issued, block b - 1's sums (stored a step earlier) scaled while
+                 * they run, then block b's sums stored. */
+                for (int64_t b = 0; b <= nblk; b++) {
+                    if (b < nblk) {
+                        _tile_loadd(4, weights + b * tile_bytes, 64);
+                        _tile_loadd(2, xt + b * unit, E);
+                        _tile_loadd(3, xt + b * unit + tile_bytes, E);
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_dpbssd(0, 2, 4);
+                        _tile_dpbusd(1, 3, 4);
+                    }
+                    if (b > 0) QA_SCALE(sums + ((b - 1) & 1) * 512, b - 1, 1);
+                    if (b < nblk) {
+                        _tile_stored(0, sums + (b & 1) * 512, 64);
+                        _tile_stored(1, sums + (b & 1) * 512 + 256, 64);
+                    }
+                }
+            }
+#undef QA_SCALE
             for (int j = 0; j < 16; j++) {
-                __m512 v = _mm512_add_ps(acc[j], _mm512_load_ps(row_offsets + 16 * j));
+                __m512 v = q4 ? _mm512_add_ps(acc[j], _mm512_load_ps(row_offsets + 16 * j)) : acc[j];
                 if (bias) v = _mm512_add_ps(v, bv);
                 _mm256_mask_storeu_epi16(y + (m0 + j) * N + n0, lanes, f2bf_x16(v));
             }
@@ -1921,7 +1979,7 @@ static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int f
     free(row_offsets);
     free(sums);
     free(scales);
-    free(nibbles);
+    free(weights);
 }
 #endif
 
@@ -1931,11 +1989,11 @@ static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias
     const q_input in = q_input_at(scratch, M, K);
     q_quantize_input(x, M, K, fmt & SD_W_GGUF, in);
 #ifdef SD_AMX_INT8
-    if ((fmt & SD_W_GGUF) == SD_W_Q4 && sd_amx_active && sd_q_amx_rows > 0 && M >= sd_q_amx_rows && M >= 16) {
+    if (sd_amx_active && sd_q_amx_rows > 0 && M >= sd_q_amx_rows && M >= 16) {
         const int64_t tiled = M / 16 * 16; /* the rows left over take the VNNI panels: the same bits */
-        /* Q4 activations are int8: the second half of their int16 area holds the tiles */
-        linear_qp_amx_for(in, (int8_t *)in.X + M * K, w, fmt, bias, y, tiled, N, K);
-        if (tiled < M) linear_qp_for(q_input_from(in, SD_W_Q4, tiled, K), w, fmt, bias, y + tiled * N, M - tiled, N, K);
+        linear_qp_amx_for(in, q_tiles_at(scratch, M, K), w, fmt, bias, y, tiled, N, K);
+        if (tiled < M)
+            linear_qp_for(q_input_from(in, fmt & SD_W_GGUF, tiled, K), w, fmt, bias, y + tiled * N, M - tiled, N, K);
         return;
     }
 #endif
@@ -2743,7 +2801,7 @@ void sd_topk_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t k, i
     }
 }
 
-/* Whether 4-bit GGUF panels can take AMX-INT8 tiles in this build and process (sd_q_amx_rows sets from when). */
+/* Whether GGUF panels can take AMX-INT8 tiles in this build and process (sd_q_amx_rows sets from when). */
 int sd_q_amx(void) {
 #ifdef SD_AMX_INT8
     return sd_amx_active;
