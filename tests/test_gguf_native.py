@@ -163,7 +163,8 @@ def test_amx_int8_tiles_give_each_row_the_bits_of_the_vnni_panels(qtype):
     """Blocks of many rows multiply on AMX-INT8 tiles where the CPU has them (4-bit layouts as int8 products,
     8-bit ones as two products of the 16-bit activations' high and low bytes): the same integer sums and the
     same fp32 scaling, so the same bits as the VNNI panels (and so as decoding), for block sizes that are and
-    are not multiples of the tiles' 16 rows and an odd number of blocks."""
+    are not multiples of the tiles' 16 rows (a few rows left over take VNNI, more a padded tile) and an odd
+    number of blocks."""
     if not cpu_kernels.q_amx_rows():
         pytest.skip("no AMX-INT8 tiles on this CPU or in this build")
     # 17 blocks of 32 (or 34 of 16); the K-quants need whole super-blocks of 256
@@ -171,7 +172,7 @@ def test_amx_int8_tiles_give_each_row_the_bits_of_the_vnni_panels(qtype):
     layer = native_linear(qtype, 37, in_features, seed=11, bias=True)
     previous = cpu_kernels.q_amx_rows()
     try:
-        for rows in (32, 47, 48, 150):
+        for rows in (32, 33, 40, 47, 48, 150):  # remainders of 0, 1, 8 and 15 rows, 6 after 9 tiles
             x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
             cpu_kernels.q_amx_rows(0)
             vnni = layer(x, exact_rows=True)

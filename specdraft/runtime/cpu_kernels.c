@@ -138,7 +138,7 @@ int sd_has_avx512(void) {
 
 /* Set by sd_amx_init (AMX builds, when Linux grants the tile state). */
 int sd_amx_active = 0;
-int64_t sd_q_amx_rows = 32; /* GGUF panels on AMX-INT8 tiles from this many rows (linear_qp_amx_for) */
+int64_t sd_q_amx_rows = 48; /* GGUF panels on AMX-INT8 tiles from this many rows (linear_qp_amx_for) */
 
 /* Which code path the linear layers take: 4 AMX tiles, 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int sd_simd_level(void) {
@@ -1092,8 +1092,7 @@ int64_t sd_q_row_bytes(int fmt, int64_t K) { return q_row_bytes(fmt, K); }
 int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefetched from */
 #define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
 
-/* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats, which
- * also hold them as AMX tiles: q_tiles_at):
+/* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
  * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only:
  * d * sum X of each block, what the block's offset multiplies). */
 typedef struct {
@@ -1111,12 +1110,7 @@ static inline q_input q_input_from(q_input all, int fmt, int64_t m, int64_t K) {
     return in;
 }
 
-static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K + M * K / 16 + M * K / 32 + 32; }
-
-/* Where the activations of the call go as AMX tiles (linear_qp_amx_for): M * K * 2 bytes past the rest. */
-static inline int8_t *q_tiles_at(float *scratch, int64_t M, int64_t K) {
-    return (int8_t *)(scratch + M * K / 2 + M * K / 16 + M * K / 32 + 32);
-}
+static inline int64_t q_scratch_floats(int64_t M, int64_t K) { return M * K / 2 + M * K / 16 + M * K / 32 + 16; }
 
 static inline q_input q_input_at(float *scratch, int64_t M, int64_t K) {
     q_input in = {(int16_t *)scratch, scratch + M * K / 2 + 8, NULL};
@@ -1779,29 +1773,32 @@ static inline int qp_chunk(int64_t M, int64_t m) {
     }
 
 /* Work-shared over panels (PANEL_SCHEDULE), inside a parallel region. */
+/* Rows first .. M of panel p (at wp) into y [M, N], in near-equal chunks of at most QP_MB rows. */
+static void qp_panel_rows(q_input all, const uint8_t *wp, int fmt, const bf16 *bias, bf16 *y, int64_t first, int64_t M,
+                          int64_t N, int64_t K, int64_t p, int64_t panel_bytes) {
+    for (int64_t m = first; m < M;) {
+        const int mb = qp_chunk(M - first, m - first);
+        const q_input in = q_input_from(all, fmt & SD_W_GGUF, m, K);
+#define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
+        switch (fmt) { /* constant formats: each its own unrolled tile */
+            case SD_W_Q4: QP_ROWS_SWITCH(SD_W_Q4) break;
+            case SD_W_Q4 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q4 | SD_W_HALF) break;
+            case SD_W_Q8: QP_ROWS_SWITCH(SD_W_Q8) break;
+            case SD_W_Q8 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_HALF) break;
+            case SD_W_Q8H: QP_ROWS_SWITCH(SD_W_Q8H) break;
+            default: QP_ROWS_SWITCH(SD_W_Q8H | SD_W_HALF) break;
+        }
+#undef QP_CALL
+        m += mb;
+    }
+}
+
 static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                           int64_t K) {
     const int64_t npanels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = qp_panel_bytes(fmt, K);
 #pragma omp for PANEL_SCHEDULE
-    for (int64_t p = 0; p < npanels; p++) {
-        const uint8_t *wp = w + p * panel_bytes;
-        for (int64_t m = 0; m < M;) {
-            const int mb = qp_chunk(M, m);
-            const q_input in = q_input_from(all, fmt & SD_W_GGUF, m, K);
-#define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
-            switch (fmt) { /* constant formats: each its own unrolled tile */
-                case SD_W_Q4: QP_ROWS_SWITCH(SD_W_Q4) break;
-                case SD_W_Q4 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q4 | SD_W_HALF) break;
-                case SD_W_Q8: QP_ROWS_SWITCH(SD_W_Q8) break;
-                case SD_W_Q8 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_HALF) break;
-                case SD_W_Q8H: QP_ROWS_SWITCH(SD_W_Q8H) break;
-                default: QP_ROWS_SWITCH(SD_W_Q8H | SD_W_HALF) break;
-            }
-#undef QP_CALL
-            m += mb;
-        }
-    }
+    for (int64_t p = 0; p < npanels; p++) qp_panel_rows(all, w + p * panel_bytes, fmt, bias, y, 0, M, N, K, p, panel_bytes);
 }
 
 #if defined(SD_AMX) && defined(__AMX_INT8__)
@@ -1833,22 +1830,50 @@ static void amx_configure_q(int64_t E) {
     _tile_loadconfig(&cfg);
 }
 
-/* Rows [0, M) (M a multiple of 16) of a panel layer (fmt: a GGUF layout | SD_W_HALF), work-shared over panels;
- * `in` as for qp_tile. `tiles` (2 M K bytes) receives the activations as A tiles first: tile (row tile t, block
- * b) at (t * nblk + b) * 16 * E * parts, parts = 1 (Q4) or 2 (hi, then lo), so a tile load reads whole lines
- * (rows K bytes apart, re-read for every panel from L2, held the loads up: a quarter of the layer's time). */
-static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y,
-                              int64_t M, int64_t N, int64_t K) {
+/* The M rows of a panel layer (fmt: a GGUF layout | SD_W_HALF), work-shared over panels; `in` as for qp_tile.
+ * Whole tiles of 16 rows; up to 8 rows left over then take qp_tile on the same panel, while its weights are in
+ * the cache (a second pass over the layer would read every weight from memory again: a 40-token prompt took 6%
+ * longer so), and 9-15 rows a tile padded with zero rows.
+ * Each thread first copies the activations into A tiles of its own (a few hundred KB at most; its own copy
+ * spares the threads a barrier, which cost more than the copy at 40 rows): tile (row tile t, block b) at (t *
+ * nblk + b) * 16 * E * parts, parts = 1 (Q4) or 2 (hi, then lo), so a tile load reads whole lines (rows K bytes
+ * apart, re-read for every panel from L2, held the loads up: a quarter of the layer's time). The last tile's
+ * rows past M are zeros, computed and not stored. */
+static void linear_qp_amx_for(q_input in, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                              int64_t K) {
     const int half = (fmt & SD_W_HALF) != 0, base = fmt & SD_W_GGUF, q4 = base == SD_W_Q4;
     const int64_t E = q_block_elems(base), SC = half ? 32 : 64, PB = qp_block_bytes(fmt), nblk = K / E;
     const int64_t parts = q4 ? 1 : 2, tile_bytes = 16 * E, unit = tile_bytes * parts;
     const int64_t npanels = (N + QPANEL - 1) / QPANEL, panel_bytes = qp_panel_bytes(fmt, K);
-#pragma omp for schedule(static)
-    for (int64_t tb = 0; tb < M / 16 * nblk; tb++) {
+    /* per thread, kept between calls: a panel's blocks as B tiles, its scales (and Q4's offsets) in fp32, the
+     * sums of two blocks, 16 rows' offset terms, the last tile's activation scales and offsets */
+    static __thread uint8_t *kept = NULL;
+    static __thread size_t kept_bytes = 0;
+    const int64_t rest = M % 16, tiled = rest > 4 ? M : M - rest, row_tiles = (tiled + 15) / 16;
+    const size_t need = (size_t)(nblk * tile_bytes) + (size_t)(nblk * 64) * sizeof(float) + 2048 * sizeof(int32_t)
+                        + (size_t)(row_tiles * nblk * unit);
+    if (kept_bytes < need) {
+        free(kept);
+        kept = aligned_alloc(64, (need + 63) / 64 * 64);
+        kept_bytes = kept ? need : 0;
+        if (!kept) abort();
+    }
+    uint8_t *weights = kept;
+    float *scales = (float *)(kept + nblk * tile_bytes), *offsets = scales + nblk * 16;
+    float *padded = offsets + nblk * 16, *row_offsets = padded + nblk * 32; /* padded: zero past the rows copied */
+    int32_t *sums = (int32_t *)(row_offsets + 256);
+    int8_t *tiles = (int8_t *)(sums + 1024);
+    memset(padded, 0, (size_t)(nblk * 32) * sizeof(float));
+    for (int64_t tb = 0; tb < row_tiles * nblk; tb++) {
         const int64_t t = tb / nblk, b = tb % nblk;
         int8_t *dst = tiles + tb * unit;
         for (int j = 0; j < 16; j++) {
             const int64_t row = 16 * t + j;
+            if (row >= M) {
+                memset(dst + j * E, 0, (size_t)E);
+                if (!q4) memset(dst + tile_bytes + j * E, 0, (size_t)E);
+                continue;
+            }
             if (q4) {
                 memcpy(dst + j * E, q_x8(in) + row * K + b * E, (size_t)E);
                 continue;
@@ -1860,13 +1885,6 @@ static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int f
             }
         }
     }
-    /* per thread: a panel's blocks as B tiles, its scales (and Q4's offsets) in fp32, the sums of two blocks,
-     * 16 rows' offset terms */
-    uint8_t *weights = aligned_alloc(64, (size_t)(nblk * tile_bytes));
-    float *scales = aligned_alloc(64, (size_t)(nblk * 32) * sizeof(float)), *offsets = scales + nblk * 16;
-    int32_t *sums = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
-    float *row_offsets = aligned_alloc(64, 256 * sizeof(float));
-    if (!weights || !scales || !sums || !row_offsets) abort();
     amx_configure_q(E);
     /* word 2n of a quad row: word n of the first pair (elements 4r, 4r + 1), word 2n + 1: of the second */
     __m512i interleave = _mm512_setzero_si512();
@@ -1881,6 +1899,8 @@ static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int f
         for (int64_t b = 0; b < nblk; b++) {
             const uint8_t *blk = wp + b * PB, *quants = blk + (q4 ? 2 * SC : SC);
             uint8_t *bt = weights + b * tile_bytes;
+            for (int64_t line = 0; line < PB; line += 64) /* the next panel, as qp_tile: weights come from memory */
+                _mm_prefetch((const char *)(blk + panel_bytes + line), _MM_HINT_T1);
             _mm512_store_ps(scales + 16 * b, qp_scales(blk, half));
             if (q4) { /* chunk h: quad 2h in the low nibbles, quad 2h + 1 in the high */
                 _mm512_store_ps(offsets + 16 * b, qp_scales(blk + SC, half));
@@ -1901,16 +1921,25 @@ static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int f
         const int64_t n0 = p * QPANEL, valid = N - n0 < QPANEL ? N - n0 : QPANEL;
         const __mmask16 lanes = (__mmask16)(valid >= 16 ? 0xffffu : (1u << valid) - 1);
         const __m512 bv = bias ? load_bf16x16_masked(bias + n0, lanes) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        for (int64_t m0 = 0; m0 < tiled; m0 += 16) {
             const int8_t *xt = tiles + m0 / 16 * nblk * unit;
-            const float *row_scale = in.scale + m0 * nblk;
+            const int64_t valid_rows = M - m0 < 16 ? M - m0 : 16;
+            const float *row_scale = in.scale + m0 * nblk, *row_offset_in = q4 ? in.offset_in + m0 * nblk : NULL;
+            if (valid_rows < 16) { /* rows past M: zero scales (their sums are zero too) */
+                memcpy(padded, row_scale, (size_t)(valid_rows * nblk) * sizeof(float));
+                row_scale = padded;
+                if (q4) {
+                    memcpy(padded + 16 * nblk, row_offset_in, (size_t)(valid_rows * nblk) * sizeof(float));
+                    row_offset_in = padded + 16 * nblk;
+                }
+            }
             __m512 acc[16];
             if (q4) { /* the offset terms first, block by block as qp_tile sums them */
                 for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
                 for (int64_t b = 0; b < nblk; b++) {
                     const __m512 m = _mm512_load_ps(offsets + 16 * b);
                     for (int j = 0; j < 16; j++)
-                        acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.offset_in[(m0 + j) * nblk + b]), acc[j]);
+                        acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(row_offset_in[j * nblk + b]), acc[j]);
                 }
                 for (int j = 0; j < 16; j++) _mm512_store_ps(row_offsets + 16 * j, acc[j]);
             }
@@ -1969,17 +1998,14 @@ static void linear_qp_amx_for(q_input in, int8_t *tiles, const uint8_t *w, int f
                 }
             }
 #undef QA_SCALE
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < valid_rows; j++) {
                 __m512 v = q4 ? _mm512_add_ps(acc[j], _mm512_load_ps(row_offsets + 16 * j)) : acc[j];
                 if (bias) v = _mm512_add_ps(v, bv);
                 _mm256_mask_storeu_epi16(y + (m0 + j) * N + n0, lanes, f2bf_x16(v));
             }
         }
+        if (tiled < M) qp_panel_rows(in, wp, fmt, bias, y, tiled, M, N, K, p, panel_bytes);
     }
-    free(row_offsets);
-    free(sums);
-    free(scales);
-    free(weights);
 }
 #endif
 
@@ -1989,11 +2015,10 @@ static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias
     const q_input in = q_input_at(scratch, M, K);
     q_quantize_input(x, M, K, fmt & SD_W_GGUF, in);
 #ifdef SD_AMX_INT8
-    if (sd_amx_active && sd_q_amx_rows > 0 && M >= sd_q_amx_rows && M >= 16) {
-        const int64_t tiled = M / 16 * 16; /* the rows left over take the VNNI panels: the same bits */
-        linear_qp_amx_for(in, q_tiles_at(scratch, M, K), w, fmt, bias, y, tiled, N, K);
-        if (tiled < M)
-            linear_qp_for(q_input_from(in, fmt & SD_W_GGUF, tiled, K), w, fmt, bias, y + tiled * N, M - tiled, N, K);
+    /* Q8 layers (16-bit activations: VPDPWSSD, half VPDPBUSD's products an instruction) gain from half as many */
+    const int64_t from = (fmt & SD_W_GGUF) == SD_W_Q8 ? sd_q_amx_rows / 2 : sd_q_amx_rows;
+    if (sd_amx_active && sd_q_amx_rows > 0 && M >= from) {
+        linear_qp_amx_for(in, w, fmt, bias, y, M, N, K);
         return;
     }
 #endif
