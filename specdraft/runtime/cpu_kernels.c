@@ -1772,7 +1772,6 @@ static inline int qp_chunk(int64_t M, int64_t m) {
         default: QP_CALL(FMT, 8); break;                    \
     }
 
-/* Work-shared over panels (PANEL_SCHEDULE), inside a parallel region. */
 /* Rows first .. M of panel p (at wp) into y [M, N], in near-equal chunks of at most QP_MB rows. */
 static void qp_panel_rows(q_input all, const uint8_t *wp, int fmt, const bf16 *bias, bf16 *y, int64_t first, int64_t M,
                           int64_t N, int64_t K, int64_t p, int64_t panel_bytes) {
@@ -1793,6 +1792,7 @@ static void qp_panel_rows(q_input all, const uint8_t *wp, int fmt, const bf16 *b
     }
 }
 
+/* Work-shared over panels (PANEL_SCHEDULE), inside a parallel region. */
 static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                           int64_t K) {
     const int64_t npanels = (N + QPANEL - 1) / QPANEL;
@@ -1803,9 +1803,11 @@ static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bi
 
 #if defined(SD_AMX) && defined(__AMX_INT8__)
 #define SD_AMX_INT8 1
-/* GGUF panels on AMX-INT8 tiles, for blocks of many rows (a prompt's chunk, a wide verification): measured at 8
- * and 16 rows tiles lose to the VNNI panels, because every block of E has its own scales and its 16 x 16 integer
- * sums must leave the tile through memory to be scaled; from 32 rows on they gain (scripts/bench_q_amx.py).
+/* GGUF panels on AMX-INT8 tiles, for blocks of many rows (a prompt's chunk, a wide verification): at 8 and 16
+ * rows tiles lose to the VNNI panels, because every block of E has its own scales and its 16 x 16 integer sums
+ * must leave the tile through memory to be scaled; inside a forward they gain from about 44 rows on 4-bit layouts
+ * and from 24 on 8-bit ones, whose VNNI path multiplies half as many pairs an instruction (scripts/bench_q_amx.py
+ * per layer, scripts/bench_prefill.py --q-amx-rows in a forward, Sapphire Rapids).
  * One tile product multiplies a block's activations of 16 rows (A: 16 rows x E bytes) by the block's weights of
  * a panel (B: E / 4 quads x 16 outputs x 4 bytes) into the exact int32 sums qp_tile forms with VPDPBUSD /
  * VPDPWSSD:
@@ -1814,7 +1816,7 @@ static void linear_qp_for(q_input all, const uint8_t *w, int fmt, const bf16 *bi
  *   unsigned lo bytes (TDPBUSD) times the int8 weights, then sum = 256 sum_hi + sum_lo (|sum| < 2^27).
  * The fp32 scaling that follows is qp_tile's, operation for operation, in the same block order: a row gets the
  * bits the VNNI panels give it, so decoding's bits, at any block size. Blocks of at least sd_q_amx_rows rows
- * take it (0: never). */
+ * take it (SD_W_Q8 from half as many; 0: never). */
 
 /* Tiles 0-1 integer sums (16 x 16 int32), 2-3 activations (16 rows x E bytes), 4-5 weights (E / 4 rows x 64
  * bytes): Q4 runs two sets (0, 2, 4) and (1, 3, 5) by turns, Q8 one set of two products (hi and lo sums, hi and
@@ -1831,9 +1833,9 @@ static void amx_configure_q(int64_t E) {
 }
 
 /* The M rows of a panel layer (fmt: a GGUF layout | SD_W_HALF), work-shared over panels; `in` as for qp_tile.
- * Whole tiles of 16 rows; up to 8 rows left over then take qp_tile on the same panel, while its weights are in
+ * Whole tiles of 16 rows; up to 4 rows left over then take qp_tile on the same panel, while its weights are in
  * the cache (a second pass over the layer would read every weight from memory again: a 40-token prompt took 6%
- * longer so), and 9-15 rows a tile padded with zero rows.
+ * longer so), and 5-15 rows a tile padded with zero rows.
  * Each thread first copies the activations into A tiles of its own (a few hundred KB at most; its own copy
  * spares the threads a barrier, which cost more than the copy at 40 rows): tile (row tile t, block b) at (t *
  * nblk + b) * 16 * E * parts, parts = 1 (Q4) or 2 (hi, then lo), so a tile load reads whole lines (rows K bytes
