@@ -4,7 +4,7 @@ and `PREFILL_CHUNK_TOKENS` in runtime/model.py; with --q-amx-rows, each chunk si
 the AMX-INT8 GGUF panels (`cpu_kernels.q_amx_rows`, 0: VNNI only).
 
     python scripts/bench_prefill.py [--model smollm2-135m] [--dtype gguf|bf16] [--lengths 40,200,500,1000]
-        [--chunks 32,64,128] [--q-amx-rows 0,64]
+        [--chunks 32,64,128] [--q-amx-rows 0,48]
 """
 
 from __future__ import annotations

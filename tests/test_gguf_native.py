@@ -184,6 +184,21 @@ def test_amx_int8_tiles_give_each_row_the_bits_of_the_vnni_panels(qtype):
 
 
 @needs_kernels
+def test_the_amx_int8_threshold_refuses_nonsense_and_a_bad_environment_value_keeps_the_kernels(monkeypatch):
+    with pytest.raises(ValueError, match="integer >= 0"):
+        cpu_kernels.q_amx_rows(-1)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        cpu_kernels.q_amx_rows(True)
+    before = cpu_kernels.q_amx_rows()
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_load_error", None)
+    monkeypatch.setenv("SPECDRAFT_Q_AMX_ROWS", "many")
+    with pytest.warns(UserWarning, match="SPECDRAFT_Q_AMX_ROWS"):
+        assert cpu_kernels.available()
+    assert cpu_kernels.q_amx_rows() == before
+
+
+@needs_kernels
 def test_native_linear_propagates_non_finite_inputs():
     layer = native_linear(T.Q8_0, 5, 64, seed=4)
     x = torch.randn(2, 64).to(torch.bfloat16)

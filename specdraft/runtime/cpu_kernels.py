@@ -11,10 +11,11 @@ Linear layers take the best path the CPU has: AMX tiles (Intel Sapphire Rapids a
 tokens costs little more than one, since the tiles do the arithmetic at the speed the weights stream in),
 AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one path for every bf16 layer
 (decoding one token included), so the bits never depend on the block. `SPECDRAFT_KERNEL_AMX=0` keeps an AMX
-CPU on the AVX512-BF16 path. GGUF-native layers multiply with VNNI integer dot products, and blocks of 32
-rows or more on AMX-INT8 tiles where the CPU has them (the same bits; `SPECDRAFT_Q_AMX_ROWS` moves the
-threshold, 0 keeps them on VNNI). Where a CPU retires AVX512-BF16 dot products at less than half the rate of fp32
-FMAs (measured once per CPU, `bf16_dot_pays`), the native build leaves them out and takes the AVX-512 path.
+CPU on the AVX512-BF16 path. GGUF-native layers multiply with VNNI integer dot products, and blocks of 48
+rows or more (24 on 8-bit layers) on AMX-INT8 tiles where the CPU has them (the same bits;
+`SPECDRAFT_Q_AMX_ROWS` moves the threshold, 0 keeps them on VNNI). Where a CPU retires AVX512-BF16 dot
+products at less than half the rate of fp32 FMAs (measured once per CPU, `bf16_dot_pays`), the native build
+leaves them out and takes the AVX-512 path.
 
 The library is compiled once per source version and CPU (`-O3 -march=native -fopenmp`) into
 `$SPECDRAFT_CACHE/kernels/`. Without a compiler, or with `SPECDRAFT_KERNELS=0`, the model runs its PyTorch
@@ -228,12 +229,14 @@ def load() -> ctypes.CDLL | None:
             getattr(lib, name).restype = restype
         if os.environ.get("SPECDRAFT_KERNEL_AMX", "1") != "0":
             lib.sd_amx_init()  # AMX builds use tiles from here on, for every bf16 linear layer, if Linux allows
+        _lib = lib
         rows = os.environ.get("SPECDRAFT_Q_AMX_ROWS")
         if rows is not None:  # GGUF panels on AMX-INT8 tiles from this many rows (0: never; q_amx_rows)
-            if not rows.isdigit():
-                raise RuntimeError(f"SPECDRAFT_Q_AMX_ROWS must be an integer >= 0, got {rows!r}")
-            ctypes.c_int64.in_dll(lib, "sd_q_amx_rows").value = int(rows)
-        _lib = lib
+            if rows.strip().isdigit():
+                q_amx_rows(int(rows))
+            else:  # a tuning knob: say so, keep the default, keep the kernels
+                warnings.warn(f"specdraft: SPECDRAFT_Q_AMX_ROWS must be an integer >= 0, got {rows!r}; "
+                              f"keeping {q_amx_rows()}", stacklevel=2)
     except (OSError, RuntimeError) as exc:
         _load_error = str(exc)
         warnings.warn(f"specdraft: fused CPU kernels unavailable, using PyTorch ops ({exc})", stacklevel=2)
@@ -347,13 +350,14 @@ def q_panels_active() -> bool:
 
 
 def q_amx_rows(rows: int | None = None) -> int:
-    """The block size from which GGUF-native panels multiply on AMX-INT8 tiles (0: never; always 0 where the
-    build or the CPU has no AMX, or SPECDRAFT_KERNEL_AMX=0). Both paths give every row the same bits, so this is
-    only about speed: `rows` sets it (benchmarks, tests) and the previous value is returned."""
+    """The block size from which GGUF-native panels multiply on AMX-INT8 tiles, 8-bit layers from half as many
+    (0: never; always 0 where the build or the CPU has no AMX, or SPECDRAFT_KERNEL_AMX=0). Both paths give every
+    row the same bits, so this is only about speed. `rows` sets it (benchmarks, tests, `SPECDRAFT_Q_AMX_ROWS`);
+    returns the value before."""
     setting = ctypes.c_int64.in_dll(_lib, "sd_q_amx_rows")
     previous = setting.value if _lib.sd_q_amx() else 0
     if rows is not None:
-        if not isinstance(rows, int) or rows < 0:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
             raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
         setting.value = rows
     return previous
