@@ -165,8 +165,10 @@ def test_step_advances_each_request_and_release_frees_its_slot():
     b = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=30))
     with pytest.raises(SpecdraftError, match="all 2 slots are busy"):
         engine.add_request([6], SamplingParams(temperature=0, max_tokens=4))
-    chunks = engine.step([a, b])  # both prefills: one token each
-    assert [c.token_ids.__len__() for c in chunks] == [1, 1] and a.prefilled and b.prefilled
+    chunks = engine.step([a, b])  # a's prefill: its first token at once; b's prompt waits for the next step
+    assert [len(c.token_ids) for c in chunks] == [1, 0] and a.prefilled and not b.prefilled
+    chunks = engine.step([a, b])  # b's prefill (the last waiting), then a's decode round
+    assert len(chunks[0].token_ids) >= 1 and len(chunks[1].token_ids) == 1 and b.prefilled
     chunks = engine.step([a, b])
     assert all(len(c.token_ids) >= 1 for c in chunks)
     assert engine.cache.length(a.slot) == len(a.context) - 1  # everything but the pending token

@@ -358,6 +358,20 @@ def test_rejection_k0_samples_the_target():
     check_round(chain, num_draft=0, seed=6)
 
 
+def test_rejection_k0_draws_what_sampling_the_target_row_draws():
+    """No drafts: each row's token is the `sample` draw from its target row with its own generator (what the
+    residual of an all-zero draft gives), consuming nothing else, so later draws stay aligned too."""
+    target_probs = random_probs((5, 1, VOCAB), seed=13)
+    seeds = [3, 4, 5, 3, 6]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    alone = [torch.Generator().manual_seed(s) for s in seeds]
+    for _ in range(20):
+        accepted_len, out = rejection_verify(torch.zeros(5, 0, dtype=torch.long), None, target_probs, gens)
+        assert accepted_len.tolist() == [0] * 5 and out.shape == (5, 1)
+        for b in range(5):
+            assert int(out[b, 0]) == int(sample(target_probs[b, 0], alone[b]))
+
+
 @pytest.mark.parametrize("setting", ["temperature 1", "top_k 3"])
 def test_rejection_deterministic_drafter_matches_target(setting):
     chain = make_chain(seed=7, target_params=PARAMS[setting])

@@ -2,11 +2,12 @@
 
 Each request carries all of its own state (`Request`): context, output assembly and stopping, sampling
 parameters with its own random generator, the adaptive draft-length controller, metrics and a KV-cache slot.
-`Engine.step(requests)` advances every given request by one round: a new request gets its prefill (which
-yields its first token); every other request's drafter proposes, one batched target forward scores all
-proposals (ragged lengths over the slot KV cache, padded to the longest), and each request accepts on its
-own. `stream` and `generate` are thin loops over `step`; `generate_many` keeps up to `max_batch` requests in
-flight, admitting new ones as others finish (continuous batching).
+`Engine.step(requests)` advances the given requests by one round: new requests get their prefill (one
+prompt forward per step, which yields the first token); once none is left waiting, every other request's
+drafter proposes, one batched target forward scores all proposals (ragged lengths over the slot KV cache,
+padded to the longest), and each request accepts on its own. `stream` and `generate` are thin loops over
+`step`; `generate_many` keeps up to `max_batch` requests in flight, admitting new ones as others finish
+(continuous batching).
 
 Invariant per request: the target's KV cache slot holds the whole context except its last token (the
 pending one), which is fed to the next forward together with the draft tokens. After verification the
@@ -240,14 +241,20 @@ class Engine:
     # ------------------------------------------------------------------------------------------ stepping
 
     def step(self, requests: Sequence[Request]) -> list[StreamChunk]:
-        """Advance each unfinished request by one round; one chunk per request, in order. A request that
-        finishes in this round gets its `GenerationResult` on its chunk and its slot released."""
+        """Advance the requests by one round; one chunk per request, in order. A request that finishes in
+        this round gets its `GenerationResult` on its chunk and its slot released.
+
+        New requests are prefilled one forward (`_prefill_groups`) per step, and the decode round of the
+        others runs in the step that prefills the last of them: the same forwards as prefilling them all
+        first, but a wave of arrivals gets each first token as soon as its own prompt is done (8 clients
+        arriving together: the median time to first token halves), not after every prompt of the wave."""
         live = [r for r in requests if not r.finished]
         chunks: dict[int, StreamChunk] = {}
-        for group in _prefill_groups([r for r in live if not r.prefilled]):
-            chunks.update(self._prefill(group))
-        decoding = [r for r in live if r.id not in chunks]
-        if decoding:
+        groups = _prefill_groups([r for r in live if not r.prefilled])
+        if groups:
+            chunks.update(self._prefill(groups[0]))
+        decoding = [r for r in live if r.prefilled and r.id not in chunks]
+        if decoding and len(groups) <= 1:
             chunks.update(self._decode_round(decoding))
         out = []
         for r in requests:

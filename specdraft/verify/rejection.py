@@ -84,6 +84,12 @@ def rejection_verify(
         )
     device = target_probs.device
     draft_tokens = draft_tokens.to(device, torch.long)
+    if num_draft == 0:
+        # Nothing to verify: the next token is a draw from the target row, the residual below with an all-zero
+        # draft (the same values, so the same draw), without its four passes over the vocabulary (a plain
+        # round of sampled rows: distillation's batches, plain sampling beside speculation).
+        next_token = sample(target_probs[:, 0].float(), generator=generator)
+        return draft_tokens.new_zeros(batch), next_token.unsqueeze(-1)
     rows = torch.arange(batch, device=device)
 
     # Draft ids beyond the target vocab get target probability 0 through the mask, not an index error.
