@@ -146,15 +146,8 @@ async def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: 
 
 def _run_level_sync(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
                     api_key: str | None, stream: bool = True) -> tuple[list[dict[str, Any]], float]:
-    """`_run_level` for a worker process, on uvloop where installed (the server's extra brings it): each
-    streamed event wakes the client's loop, on the cores the server computes on."""
-    try:
-        import uvloop
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_run_level(url, model, prompts, concurrency, max_tokens, api_key, stream))
+    """`_run_level` for a worker process."""
+    return asyncio.run(_run_level(url, model, prompts, concurrency, max_tokens, api_key, stream))
 
 
 # ------------------------------------------------------------------------------------------ statistics
