@@ -2172,15 +2172,15 @@ int sd_key_panel_width(int64_t head_dim) {
 }
 
 static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm_w, float eps, int gemma,
-                       const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *cache_pos,
-                       int64_t T, bf16 *k_cache, bf16 *v_cache, uint32_t *k_panels, int64_t rows, int64_t H,
+                       const float *cos_t, const float *sin_t, const int64_t *row_slot, const int64_t *cache_pos,
+                       bf16 *k_cache, bf16 *v_cache, uint32_t *k_panels, int64_t rows, int64_t H,
                        int64_t Hkv, int64_t D, int64_t max_len, bf16 *q_out, float *scratch) {
     const int64_t half = D / 2, heads = H + 2 * Hkv;
     bf16 *normed = (bf16 *)scratch;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_t + r * half, *s = sin_t + r * half;
-        const int64_t slot = slots[r / T];
+        const int64_t slot = row_slot[r];
         for (int64_t hh = 0; hh < H + Hkv; hh++) {
             const bf16 *src = qkv + (r * heads + hh) * D;
             const bf16 *norm_w = hh < H ? q_norm_w : k_norm_w;
@@ -2207,20 +2207,20 @@ static void rope_store(const bf16 *qkv, const bf16 *q_norm_w, const bf16 *k_norm
 /* ---- attention over the cache --------------------------------------------------------------------------- */
 
 #ifndef SD_AVX512
-/* q [B*T, H, D] -> out [B*T, H, D], work-shared over (row, head). mask [B*T, key_len] is additive fp32; keys it
+/* q [rows, H, D] -> out [rows, H, D], work-shared over (row, head). mask [rows, key_len] is additive fp32; keys it
  * hides (-inf) are skipped, so a token's result depends only on the keys it sees, in cache order, and not on
  * the padding or the block it was verified in. softcap > 0 applies tanh capping to the scores.
  * scratch: key_len + 2 * D floats per thread. */
-static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *slots,
-                          const float *mask, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+static void attention_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *row_slot,
+                          const float *mask, int64_t rows, int64_t H, int64_t Hkv, int64_t D,
                           int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out,
                           float *scratch) {
-    const int64_t group = H / Hkv, total = B * T * H;
+    const int64_t group = H / Hkv, total = rows * H;
     float *scores = scratch, *qf = scratch + key_len, *acc = qf + D;
 #pragma omp for schedule(static)
     for (int64_t idx = 0; idx < total; idx++) {
         const int64_t row = idx / H, h = idx % H, kv = h / group;
-        const int64_t base = (slots[row / T] * Hkv + kv) * max_len;
+        const int64_t base = (row_slot[row] * Hkv + kv) * max_len;
         const float *m = mask + row * key_len;
         for (int64_t d = 0; d < D; d++) qf[d] = bf2f(q[idx * D + d]);
         float best = -INFINITY;
@@ -2269,12 +2269,26 @@ static inline __attribute__((always_inline)) void pv_block(const float *const *p
     }
 }
 
-/* The softmax and the weighted sum of values of nq <= 16 queries of one sequence b and kv head kv, given their
- * raw dot products with keys 0 .. key_len (scores[j * stride + k], query j of the unit being query q0 + j of
- * the block: row (q0 + j) / group, head kv * group + (q0 + j) % group). scores is overwritten; live_p holds
+/* A forward's rows are B sequences packed one after another: sequence b holds rows seq_start[b] ..
+ * seq_start[b + 1] (a uniform block of T rows each: seq_start[b] = b * T; a ragged batch of drafts packs only
+ * each sequence's real rows). Attention works in units of queries (a row times one of the `group` heads that
+ * share a kv head) of one sequence and kv head: chunks[b] units per kv head of sequence b, numbered b first,
+ * then kv head, then chunk. Unit u's sequence, kv head and chunk: */
+static inline void attention_unit(const int64_t *chunks, int64_t Hkv, int64_t u, int64_t *b, int64_t *kv,
+                                  int64_t *c) {
+    int64_t s = 0;
+    while (u >= Hkv * chunks[s]) u -= Hkv * chunks[s++];
+    *b = s;
+    *kv = u / chunks[s];
+    *c = u % chunks[s];
+}
+
+/* The softmax and the weighted sum of values of nq <= 16 queries of one sequence (its first row row0) and kv
+ * head kv, given their raw dot products with keys 0 .. key_len (scores[j * stride + k], query j of the unit
+ * being query q0 + j of the sequence: row row0 + (q0 + j) / group, head kv * group + (q0 + j) % group). scores is overwritten; live_p holds
  * stride floats. Shared by the AMX and the AVX-512 attention, which differ in how they get the dot products. */
 static void attention_finish(float *scores, int64_t stride, float *live_p, const float *mask, const bf16 *values,
-                             int64_t b, int64_t T, int64_t H, int64_t kv, int64_t group, int64_t q0, int64_t nq,
+                             int64_t row0, int64_t H, int64_t kv, int64_t group, int64_t q0, int64_t nq,
                              int64_t D, int64_t key_len, float scale, float softcap, bf16 *out) {
     float inv[16];
     int64_t first[16], last[16]; /* each query's first and one past its last visible key */
@@ -2283,7 +2297,7 @@ static void attention_finish(float *scores, int64_t stride, float *live_p, const
      * are skipped below. */
     const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < nq; j++) {
-        const int64_t i = q0 + j, row = b * T + i / group;
+        const int64_t i = q0 + j, row = row0 + i / group;
         const float *m = mask + row * key_len;
         float *s = scores + j * stride;
         if (softcap > 0.0f)
@@ -2360,7 +2374,7 @@ static void attention_finish(float *scores, int64_t stride, float *live_p, const
             }
 #undef PV_CALL
             for (int j = 0; j < PV_QUERIES && j0 + j < nq; j++) {
-                const int64_t i = q0 + j0 + j, row = b * T + i / group, h = kv * group + i % group;
+                const int64_t i = q0 + j0 + j, row = row0 + i / group, h = kv * group + i % group;
                 const __m512 scale_j = _mm512_set1_ps(inv[j0 + j]);
                 for (int l = 0; l < vectors; l++)
                     _mm256_storeu_si256((__m256i *)(out + (row * H + h) * D + d0 + 16 * l),
@@ -2403,26 +2417,32 @@ static inline void amx_scatter_scores(int tile, float *scores, int64_t stride, i
  * are left. Each score is the hardware's sum for its own (query, key) pair, independent of the other queries
  * in the tile: a row gets the same bits in any block. Work-shared over (sequence, kv head, 16 queries). */
 static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *slots,
-                              const float *mask, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                              int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out) {
-    const int64_t group = H / Hkv, queries = T * group, qtiles = (queries + 15) / 16;
-    const int64_t units = B * Hkv * qtiles, kblocks = (key_len + 15) / 16, stride = kblocks * 16;
+                              const float *mask, int64_t B, const int64_t *seq_start, int64_t H, int64_t Hkv,
+                              int64_t D, int64_t max_len, int64_t key_len, float scale, float softcap, bf16 *out) {
+    const int64_t group = H / Hkv, kblocks = (key_len + 15) / 16, stride = kblocks * 16;
     const int64_t words = D / 2; /* uint32 pairs per query or key row */
     float *scores = malloc((size_t)(17 * stride) * sizeof(float)), *live_p = scores + 16 * stride;
     uint32_t *packed = malloc((size_t)(16 * words) * sizeof(uint32_t));
     bf16 *kpad = malloc((size_t)(16 * D) * sizeof(bf16));
-    if (!scores || !packed || !kpad) abort();
+    int64_t *qtiles = malloc((size_t)B * sizeof(int64_t)), units = 0; /* tiles of 16 queries per sequence */
+    if (!scores || !packed || !kpad || !qtiles) abort();
+    for (int64_t s = 0; s < B; s++) {
+        qtiles[s] = ((seq_start[s + 1] - seq_start[s]) * group + 15) / 16;
+        units += Hkv * qtiles[s];
+    }
     amx_configure();
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
-        const int64_t qt = u % qtiles, kv = (u / qtiles) % Hkv, b = u / (qtiles * Hkv);
+        int64_t b, kv, qt;
+        attention_unit(qtiles, Hkv, u, &b, &kv, &qt);
+        const int64_t row0 = seq_start[b], queries = (seq_start[b + 1] - row0) * group;
         const int64_t q0 = 16 * qt, nq = queries - q0 < 16 ? queries - q0 : 16;
         const int64_t cache_base = (slots[b] * Hkv + kv) * max_len * D;
         /* queries as TDPBF16PS's second operand, 32 dims per block: word (c * 16 + p) * 16 + j is the pair
          * c * 16 + p of query q0 + j (query i of the unit: row i / group of the block, head kv * group + i % group) */
         for (int64_t j = 0; j < 16; j++) {
             const int64_t i = q0 + j;
-            const uint32_t *qrow = (const uint32_t *)(q + ((b * T + i / group) * H + kv * group + i % group) * D);
+            const uint32_t *qrow = (const uint32_t *)(q + ((row0 + i / group) * H + kv * group + i % group) * D);
             for (int64_t w = 0; w < words; w++) packed[w * 16 + j] = j < nq ? qrow[w] : 0;
         }
         const bf16 *keys = k_cache + cache_base;
@@ -2462,9 +2482,10 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
                 amx_scatter_scores(0, scores, stride, kb, nq);
             }
         }
-        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, b, T, H, kv, group, q0, nq, D, key_len,
+        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, row0, H, kv, group, q0, nq, D, key_len,
                          scale, softcap, out);
     }
+    free(qtiles);
     free(kpad);
     free(packed);
     free(scores);
@@ -2482,33 +2503,43 @@ static void attention_amx_for(const bf16 *q, const bf16 *k_cache, const bf16 *v_
 #error "the attention's key panels are KEY_PANEL keys wide"
 #endif
 static void attention_panels_for(const bf16 *q, const bf16 *k_cache, const uint32_t *k_panels, const bf16 *v_cache,
-                                 const int64_t *slots, const float *mask, int64_t B, int64_t T, int64_t H,
-                                 int64_t Hkv, int64_t D, int64_t max_len, int64_t key_len, float scale,
+                                 const int64_t *slots, const float *mask, int64_t B, const int64_t *seq_start,
+                                 int64_t H, int64_t Hkv, int64_t D, int64_t max_len, int64_t key_len, float scale,
                                  float softcap, bf16 *out) {
-    const int64_t group = H / Hkv, queries = T * group, words = D / 2;
+    const int64_t group = H / Hkv, words = D / 2;
 #ifdef _OPENMP
     const int64_t threads = omp_get_num_threads();
 #else
     const int64_t threads = 1;
 #endif
-    /* at least one unit per thread where there are queries enough (one token of a model with one kv head) */
-    int64_t chunks = (queries + 15) / 16;
-    if (B * Hkv * chunks < threads) chunks = (threads + B * Hkv - 1) / (B * Hkv) < queries ? (threads + B * Hkv - 1) / (B * Hkv) : queries;
-    const int64_t units = B * Hkv * chunks, kpanels = (key_len + PANEL - 1) / PANEL, stride = kpanels * PANEL;
+    const int64_t kpanels = (key_len + PANEL - 1) / PANEL, stride = kpanels * PANEL;
     float *scores = malloc((size_t)(17 * stride) * sizeof(float)), *live_p = scores + 16 * stride;
     uint32_t *kpanel = malloc((size_t)(stride * words) * sizeof(uint32_t));
     bf16 *qb = malloc((size_t)(16 * D) * sizeof(bf16));
     float *qf = malloc((size_t)(16 * D) * sizeof(float));
-    if (!scores || !kpanel || !qb || !qf) abort();
+    int64_t *chunks = malloc((size_t)B * sizeof(int64_t)), units = 0;
+    if (!scores || !kpanel || !qb || !qf || !chunks) abort();
+    /* units of up to 16 queries; at least one unit per thread where there are queries enough (one token of a
+     * model with one kv head): then each sequence's queries in as many even chunks */
+    for (int64_t s = 0; s < B; s++) units += Hkv * (chunks[s] = ((seq_start[s + 1] - seq_start[s]) * group + 15) / 16);
+    if (units < threads)
+        for (int64_t s = 0, split = (threads + B * Hkv - 1) / (B * Hkv); s < B; s++) {
+            const int64_t queries = (seq_start[s + 1] - seq_start[s]) * group;
+            chunks[s] = split < queries ? split : queries;
+        }
+    units = 0;
+    for (int64_t s = 0; s < B; s++) units += Hkv * chunks[s];
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
-        const int64_t c = u % chunks, kv = (u / chunks) % Hkv, b = u / (chunks * Hkv);
-        const int64_t base = queries / chunks, extra = queries % chunks;
+        int64_t b, kv, c;
+        attention_unit(chunks, Hkv, u, &b, &kv, &c);
+        const int64_t row0 = seq_start[b], queries = (seq_start[b + 1] - row0) * group;
+        const int64_t base = queries / chunks[b], extra = queries % chunks[b];
         const int64_t q0 = c * base + (c < extra ? c : extra), nq = base + (c < extra);
         const int64_t cache_base = (slots[b] * Hkv + kv) * max_len * D;
         for (int64_t j = 0; j < nq; j++) {
             const int64_t i = q0 + j;
-            const bf16 *src = q + ((b * T + i / group) * H + kv * group + i % group) * D;
+            const bf16 *src = q + ((row0 + i / group) * H + kv * group + i % group) * D;
             memcpy(qb + j * D, src, (size_t)D * sizeof(bf16));
             if (!X_IS_BF16)
                 for (int64_t d = 0; d < D; d++) qf[j * D + d] = bf2f(src[d]);
@@ -2547,9 +2578,10 @@ static void attention_panels_for(const bf16 *q, const bf16 *k_cache, const uint3
                 m += mb;
             }
         }
-        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, b, T, H, kv, group, q0, nq, D, key_len,
+        attention_finish(scores, stride, live_p, mask, v_cache + cache_base, row0, H, kv, group, q0, nq, D, key_len,
                          scale, softcap, out);
     }
+    free(chunks);
     free(qf);
     free(qb);
     free(kpanel);
@@ -2633,21 +2665,22 @@ typedef struct {
 } sd_model;
 
 /* Runs layers[0 .. num_layers) with their KV caches [slots, kv_heads, max_len, head_dim] on the residual
- * stream x [B*T, dim] (updated in place) and writes the
- * final-normed hidden states to `normed` [B*T, dim]. Per-forward inputs: slot of each sequence, cache position
- * of each row, additive masks [B*T, key_len] and RoPE tables [B*T, D/2] for full and sliding-window layers.
+ * stream x [rows, dim] (updated in place) and writes the final-normed hidden states to `normed` [rows, dim].
+ * The rows are B sequences packed one after another (sequence b: rows seq_start[b] .. seq_start[b + 1], in its
+ * cache slot slots[b]; a block of T tokens each is seq_start[b] = b * T). Per-forward inputs: cache position
+ * of each row, additive masks [rows, key_len] and RoPE tables [rows, D/2] for full and sliding-window layers.
  * One parallel region for the whole pass: threads meet at a barrier between steps instead of being woken
  * for each of them. Drafters that read the target's features (EAGLE, Medusa) ask for the residual stream
- * after chosen layers: capture_at[l] >= 0 copies it after layer l into captured[capture_at[l]] [B*T, dim]
+ * after chosen layers: capture_at[l] >= 0 copies it after layer l into captured[capture_at[l]] [rows, dim]
  * (capture_at may be NULL: nothing is copied, nothing costs). Returns 0, or -1 when scratch memory could not
  * be allocated. */
 int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, bf16 *const *k_caches,
                bf16 *const *v_caches, uint32_t *const *k_panels, bf16 *x, bf16 *normed,
                const int64_t *slots, const int64_t *cache_pos, const float *mask_full, const float *mask_sliding,
                int64_t key_len, const float *cos_full, const float *sin_full, const float *cos_sliding,
-               const float *sin_sliding, int64_t B, int64_t T, int threads, const int64_t *capture_at,
-               bf16 *captured) {
-    const int64_t rows = B * T, dim = mdl->dim, H = mdl->heads, Hkv = mdl->kv_heads, D = mdl->head_dim;
+               const float *sin_sliding, int64_t B, const int64_t *seq_start, int threads,
+               const int64_t *capture_at, bf16 *captured) {
+    const int64_t rows = seq_start[B], dim = mdl->dim, H = mdl->heads, Hkv = mdl->kv_heads, D = mdl->head_dim;
     const int64_t I = mdl->inter, qkv_width = (H + 2 * Hkv) * D;
     const int64_t widest = max64(max64(qkv_width, 2 * I), dim);
     const int64_t per_thread = key_len + 3 * D; /* attention_for's, or rope_store's D / 2 */
@@ -2655,11 +2688,15 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     /* xf: a dense linear layer's input widened to fp32; qbuf: a GGUF-native layer's input as integers */
     const int64_t qfloats = q_scratch_floats(rows, max64(widest, I));
     float *fbuf = malloc((size_t)(per_thread * threads + rows * max64(widest, I) + qfloats) * sizeof(float));
-    if (!buf || !fbuf) {
+    int64_t *row_slot = malloc((size_t)rows * sizeof(int64_t)); /* the cache slot each row writes */
+    if (!buf || !fbuf || !row_slot) {
         free(buf);
         free(fbuf);
+        free(row_slot);
         return -1;
     }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = seq_start[b]; r < seq_start[b + 1]; r++) row_slot[r] = slots[b];
     bf16 *wide = buf, *q = wide + rows * widest, *att = q + rows * H * D, *act = att + rows * H * D;
     bf16 *h = act + rows * I;
     float *xf = fbuf + per_thread * threads, *qbuf = xf + rows * max64(widest, I);
@@ -2680,19 +2717,19 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
             layer_linear(normed, L->wqkv, L->wqkv_scale, L->wqkv_fmt, L->bqkv, wide, rows, qkv_width, dim, xf,
                          qbuf);
             uint32_t *kp = k_panels ? k_panels[l] : NULL;
-            rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, slots, cache_pos, T, k_caches[l],
+            rope_store(wide, L->q_norm, L->k_norm, mdl->eps, mdl->gemma, cs, sn, row_slot, cache_pos, k_caches[l],
                        v_caches[l], kp, rows, H, Hkv, D, mdl->max_len, q, scratch);
 #ifdef SD_AMX
             if (sd_amx_active && D % 32 == 0)
-                attention_amx_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
-                                  mdl->scale, mdl->softcap, att);
+                attention_amx_for(q, k_caches[l], v_caches[l], slots, mask, B, seq_start, H, Hkv, D, mdl->max_len,
+                                  key_len, mdl->scale, mdl->softcap, att);
             else
 #endif
 #ifdef SD_AVX512
-            attention_panels_for(q, k_caches[l], kp, v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len,
-                                 key_len, mdl->scale, mdl->softcap, att);
+            attention_panels_for(q, k_caches[l], kp, v_caches[l], slots, mask, B, seq_start, H, Hkv, D,
+                                 mdl->max_len, key_len, mdl->scale, mdl->softcap, att);
 #else
-            attention_for(q, k_caches[l], v_caches[l], slots, mask, B, T, H, Hkv, D, mdl->max_len, key_len,
+            attention_for(q, k_caches[l], v_caches[l], row_slot, mask, rows, H, Hkv, D, mdl->max_len, key_len,
                           mdl->scale, mdl->softcap, att, scratch);
 #endif
             layer_linear(att, L->wo, L->wo_scale, L->wo_fmt, NULL, h, rows, dim, H * D, xf, qbuf);
@@ -2710,6 +2747,7 @@ int sd_forward(const sd_layer *layers, int64_t num_layers, const sd_model *mdl, 
     }
     free(buf);
     free(fbuf);
+    free(row_slot);
     return 0;
 }
 

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -185,7 +186,7 @@ _SIGNATURES = {
     "sd_linear": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_forward": ([ctypes.POINTER(LayerPointers), _I, ctypes.POINTER(ModelShape), _P, _P, _P, _P, _P, _P, _P, _P,
                     _P, _I,
-                    _P, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P], ctypes.c_int),
+                    _P, _P, _P, _P, _I, _P, ctypes.c_int, _P, _P], ctypes.c_int),
     "sd_linear_panels": ([_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_dense_panels": ([], ctypes.c_int),
     "sd_panel_width": ([], _I),
@@ -517,10 +518,14 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
                    v_caches: ctypes.Array, k_panels: ctypes.Array | None, x: torch.Tensor, slots: torch.Tensor,
                    cache_pos: torch.Tensor,
                    masks: dict[str, torch.Tensor], ropes: dict[str, tuple], batch: int, tokens: int,
-                   threads: int, capture_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the first `num_layers` layers on the residual stream x [B*T, dim] in place; returns the final-normed
+                   threads: int, capture_layers: Sequence[int] = (), seq_lens: Sequence[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the first `num_layers` layers on the residual stream x [rows, dim] in place; returns the final-normed
     hidden states and, when `capture_layers` names layers, the residual stream after each of them
-    [len(capture_layers), B*T, dim] (else None).
+    [len(capture_layers), rows, dim] (else None).
+    The rows are `batch` sequences of `tokens` rows each, or, given `seq_lens`, of those many rows each,
+    packed one after another (a ragged batch: each sequence's real rows only); `slots` has one entry per
+    sequence, `cache_pos`, the masks and the RoPE tables one per row.
     k_caches/v_caches: `addresses` of each layer's cache tensors, contiguous bf16 [slots, kv_heads, L, D];
     k_panels: those of the cache's key panels (`KVCache.enable_key_panels`, kept current by the kernels), or
     None where the kernels keep none (`key_panel_width` 0)."""
@@ -535,11 +540,16 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
     key_len = (full if full is not None else sliding).shape[-1]
     cos_full, sin_full = ropes.get("full", (None, None))
     cos_sliding, sin_sliding = ropes.get("sliding", (None, None))
+    lens = [tokens] * batch if seq_lens is None else list(seq_lens)
+    if len(lens) != batch or min(lens, default=1) < 1 or sum(lens) != x.shape[0] or slots.numel() != batch:
+        raise ValueError(f"forward_layers: {x.shape[0]} rows, {slots.numel()} slots and sequence lengths {lens} "
+                         f"for {batch} sequences do not agree")
+    seq_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
     status = _lib.sd_forward(layers, num_layers, ctypes.byref(shape), k_caches, v_caches, k_panels, x.data_ptr(),
                              normed.data_ptr(),
                              slots.data_ptr(), cache_pos.data_ptr(), _ptr(full), _ptr(sliding), key_len,
-                             _ptr(cos_full), _ptr(sin_full), _ptr(cos_sliding), _ptr(sin_sliding), batch, tokens,
-                             threads, _ptr(capture_at), _ptr(captured))
+                             _ptr(cos_full), _ptr(sin_full), _ptr(cos_sliding), _ptr(sin_sliding), batch,
+                             seq_start.data_ptr(), threads, _ptr(capture_at), _ptr(captured))
     if status != 0:
         raise MemoryError("cpu_kernels: could not allocate scratch memory for the forward pass")
     return normed, captured

@@ -42,12 +42,14 @@ class FusedCPUBackend:
 
     def run_layers(self, model: nn.Module, x: torch.Tensor, angles: dict[str, torch.Tensor],
                    masks: dict[str, torch.Tensor], cache: KVCache, slots: torch.Tensor, cache_pos: torch.Tensor,
-                   num_layers: int, capture_layers: Sequence[int] = ()
+                   num_layers: int, capture_layers: Sequence[int] = (), seq_lens: Sequence[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's first `num_layers` layers on x [B, T, dim] in one C call.
 
         angles: RoPE angles [B, T, head_dim / 2] fp32 per layer kind. Returns the final-normed hidden states
-        [B, T, dim] and the residual stream after each of `capture_layers` [len, B, T, dim] (or None)."""
+        [B, T, dim] and the residual stream after each of `capture_layers` [len, B, T, dim] (or None).
+        seq_lens: x's B * T rows are len(seq_lens) sequences of those many rows, packed one after another
+        (`slots` one per sequence; `cache_pos`, masks and angles one per row), rather than B of T rows."""
         B, T, dim = x.shape
         layers, shape = self._weight_table(model)
         k_caches, v_caches, k_panels = self._cache_table(cache)
@@ -60,7 +62,7 @@ class FusedCPUBackend:
         normed, captured = cpu_kernels.forward_layers(
             layers, num_layers, shape, k_caches, v_caches, k_panels, residual, slots,
             cache_pos.reshape(-1).contiguous(),
-            masks, ropes, B, T, threads, capture_layers)
+            masks, ropes, B if seq_lens is None else len(seq_lens), T, threads, capture_layers, seq_lens)
         self.governor.record(B * T, threads, available, time.perf_counter() - start)
         if captured is not None:
             captured = captured.view(len(capture_layers), B, T, dim)

@@ -412,9 +412,9 @@ class Transformer(nn.Module):
                         masks: dict[str, torch.Tensor], cache: KVCache, index: tuple[torch.Tensor, torch.Tensor],
                         num_layers: int, return_hidden: bool, capture_layers: Sequence[int]
                         ) -> torch.Tensor | ForwardOutput:
-        """`forward` over the real rows of padded blocks only: each real token becomes a one-token entry of
-        the fused forward, with its block's slot, its own cache position and its row of the block's mask.
-        Every entry's keys and values are stored before any attention reads them, so a token sees the
+        """`forward` over the real rows of padded blocks only: each block's real tokens become one packed
+        sequence of the fused forward, each token with its own cache position and row of the block's mask.
+        Every sequence's keys and values are stored before any attention reads them, so a token sees the
         block's earlier tokens as in the padded layout, and each row gets the bits it gets there (the
         kernels' row invariance). Outputs come back in the padded layout; padding rows are left unset."""
         B, T = tokens.shape
@@ -424,10 +424,12 @@ class Transformer(nn.Module):
                        for kind, m in masks.items()}
         entry_positions = positions.reshape(-1)[flat][:, None]
         angles = {kind: self._rope_angles(entry_positions, kind) for kind in set(self.config.layer_types)}
-        slots = index[0].expand(B, T).reshape(-1)[flat]
+        seq_lens = [n for n in lengths if n > 0]
+        slots = index[0][:, 0][torch.tensor(list(lengths)) > 0]                    # one per packed sequence
         x = self.embed_tokens(tokens.reshape(-1)[flat][:, None])                   # [N, 1, dim]
         normed, captured = self.fused.run_layers(self, x, angles, entry_masks, cache, slots,
-                                                 index[1].reshape(-1)[flat][:, None], num_layers, capture_layers)
+                                                 index[1].reshape(-1)[flat][:, None], num_layers, capture_layers,
+                                                 seq_lens)
         logits = self._head(normed[:, 0])
 
         def padded(rows: torch.Tensor) -> torch.Tensor:  # [..., N, width] -> [..., B, T, width]
