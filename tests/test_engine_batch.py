@@ -146,10 +146,10 @@ def test_prompts_reuse_the_cache_entries_of_a_shared_start_and_decode_the_same_t
 @needs_kernels
 @pytest.mark.parametrize(("family", "drafter"), [("llama", "ngram"), ("gemma3", "ngram"), ("llama", "trees")])
 def test_a_prompt_read_inside_decode_rounds_gives_the_tokens_it_gets_alone(family, drafter):
-    """A long prompt that arrives while others decode enters its slot PREFILL_CHUNK_TOKENS at a time inside
-    their rounds (one forward each, the chunk one more packed sequence): the others get tokens in every one
-    of those steps, and every request, the long one included, greedy or sampled from its seed, beside chains
-    and trees, gets exactly the tokens and the cache entries it gets alone."""
+    """A long prompt that arrives while others decode enters its slot in chunks (up to PREFILL_CHUNK_TOKENS)
+    inside their rounds (one forward each, the chunk one more packed sequence): the others get tokens in
+    every one of those steps, and every request, the long one included, greedy or sampled from its seed,
+    beside chains and trees, gets exactly the tokens and the cache entries it gets alone."""
     from specdraft.runtime.model import PREFILL_CHUNK_TOKENS
 
     target = kernel_model(family, seed=4)  # gemma3: sliding-window layers too
@@ -189,7 +189,8 @@ def test_a_prompt_read_inside_decode_rounds_gives_the_tokens_it_gets_alone(famil
         chunks = engine.step(running)
         read.append(late.prompt_done)
         assert all(len(c.token_ids) >= 1 for c in chunks[:2])  # the others decode meanwhile
-    assert read == [PREFILL_CHUNK_TOKENS, 2 * PREFILL_CHUNK_TOKENS, 300], read
+    steps = [b - a for a, b in zip([0, *read], read)]
+    assert read[-1] == 300 and len(read) >= 3 and all(0 < n <= PREFILL_CHUNK_TOKENS for n in steps), read
     assert len(chunks[2].token_ids) == 1  # its first token comes with its last chunk
     finished = {}
     while running:
