@@ -441,11 +441,11 @@ def test_thread_governor_picks_the_faster_mode_by_measurement():
     gov = ThreadGovernor(first_probe=3, interval=4, max_interval=16)
     quiet, busy = {2: 0.010, 1: 0.016}, {2: 0.5, 1: 0.020}
 
-    def run(times: dict, steps: int, rows: int = 1) -> list[int]:
+    def run(times: dict, steps: int) -> list[int]:
         used = []
         for _ in range(steps):
             threads = gov.threads(2)
-            gov.record(rows, threads, 2, times[threads])
+            gov.record(threads, 2, times[threads])
             used.append(threads)
         return used
 
@@ -461,11 +461,20 @@ def test_thread_governor_picks_the_faster_mode_by_measurement():
     # Quiet again: the next retry wins.
     used = run(quiet, 17)
     assert used[-1] == 2 and not gov.single and gov.switches == 2
-    # Verification blocks are never timed, and with one thread there is nothing to choose.
-    before = dict(gov.estimate)
-    run(busy, 5, rows=5)
-    assert gov.estimate == before
+    # With one thread there is nothing to choose.
     assert gov.threads(1) == 1
+
+
+def test_each_size_of_forward_has_its_own_thread_governor():
+    """One thread may win for single-row steps (a busy moment) and lose badly for a batch's rounds: a mode
+    chosen on one size of forward must not be applied to another it was never measured on."""
+    from specdraft.runtime.fused import FusedCPUBackend
+
+    backend = FusedCPUBackend()
+    assert backend.governor is backend.governor_for(1)
+    assert backend.governor_for(8) is backend.governor_for(15) and backend.governor_for(8) is not backend.governor
+    backend.governor.single = True
+    assert backend.governor.threads(2) == 1 and backend.governor_for(8).threads(2) == 2
 
 
 @needs_kernels
@@ -475,12 +484,15 @@ def test_thread_count_changes_no_bit(family):
     model = kernel_model(family, seed=5)
     prompt, block = ids(30, 7), ids(5, 8)
     many = model(block, prefilled(model, prompt))
-    model.fused.governor.single = True
+    governors = [model.fused.governor_for(rows) for rows in (1, 5)]  # the prompt's last row, the block
+    for governor in governors:
+        governor.single = True
     try:
-        assert model.fused.governor.threads(torch.get_num_threads()) == 1
+        assert all(governor.threads(torch.get_num_threads()) == 1 for governor in governors)
         one = model(block, prefilled(model, prompt))
     finally:
-        model.fused.governor.single = False
+        for governor in governors:
+            governor.single = False
     assert torch.equal(many, one)
 
 

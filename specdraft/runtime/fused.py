@@ -30,7 +30,21 @@ class FusedCPUBackend:
     def __init__(self) -> None:
         self._weights: tuple | None = None  # (norm weight, first wqkv module, library, kept tensors, (layers, shape))
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.governor = ThreadGovernor()
+        self.governors: dict[int, ThreadGovernor] = {}
+
+    def governor_for(self, rows: int) -> ThreadGovernor:
+        """The thread governor of forwards of about `rows` rows (one per power-of-two bucket): what one thread
+        costs against all of them depends on the rows (a decoding step is bandwidth-bound, a batch or a prompt
+        chunk compute-bound), so a mode measured on one size is never applied to another. With one governor
+        for single-row steps only, a noisy moment at the end of a serving level (one request left) switched
+        a server to one thread, and the batched rounds of the next level, which that governor never timed,
+        ran on it: 8 and 16 clients at 0.6x of the other server process in the same run."""
+        return self.governors.setdefault(rows.bit_length(), ThreadGovernor())
+
+    @property
+    def governor(self) -> ThreadGovernor:
+        """The governor of single-row forwards (decoding one sequence)."""
+        return self.governor_for(1)
 
     def applies(self, model: nn.Module, tokens: int, cache: KVCache, max_tokens: int = SMALL_BATCH_ROWS) -> bool:
         """bf16 on CPU, at most max_tokens per sequence (a prompt's causal chunk may be longer than a verified
@@ -57,13 +71,14 @@ class FusedCPUBackend:
         ropes = {kind: (a.reshape(B * T, -1).cos(), a.reshape(B * T, -1).sin()) for kind, a in angles.items()}
         residual = x.reshape(B * T, dim).contiguous()
         available = torch.get_num_threads()
-        threads = self.governor.threads(available)
+        governor = self.governor_for(B * T)
+        threads = governor.threads(available)
         start = time.perf_counter()
         normed, captured = cpu_kernels.forward_layers(
             layers, num_layers, shape, k_caches, v_caches, k_panels, residual, slots,
             cache_pos.reshape(-1).contiguous(),
             masks, ropes, B if seq_lens is None else len(seq_lens), T, threads, capture_layers, seq_lens)
-        self.governor.record(B * T, threads, available, time.perf_counter() - start)
+        governor.record(threads, available, time.perf_counter() - start)
         if captured is not None:
             captured = captured.view(len(capture_layers), B, T, dim)
         return normed.view(B, T, dim), captured
@@ -161,8 +176,9 @@ class ThreadGovernor:
     The threads of one forward meet at a barrier about ten times per layer. When another process keeps one of
     the cores busy, the descheduled thread stalls every barrier: an 11 ms decoding step measured 570 ms on two
     shared cores, where one thread, which waits at no barrier, takes about 18 ms. So, like the draft-length
-    controller, the governor keeps a running estimate of the single-token forward time (the steady state of
-    decoding) in the mode it runs, and now and then times one forward in the other mode: after `first_probe`
+    controller, the governor keeps a running estimate of the forward time (of one size of forward: each size
+    has its own, `FusedCPUBackend.governor_for`) in the mode it runs, and now and then times one forward in
+    the other mode: after `first_probe`
     forwards, then every `interval` forwards, doubling the interval (up to `max_interval`) while the other
     mode keeps losing, and at once when the current mode has become `react` times slower than the other
     mode's last time. Results do not depend on the thread count (each output is computed by one thread, in
@@ -184,8 +200,9 @@ class ThreadGovernor:
         single = self.single if self.countdown > 0 else not self.single  # countdown over: probe the other
         return 1 if single else available
 
-    def record(self, rows: int, threads: int, available: int, seconds: float) -> None:
-        if rows != 1 or available == 1:
+    def record(self, threads: int, available: int, seconds: float) -> None:
+        """One forward's time with `threads` of `available` (forwards of one size: `governor_for`)."""
+        if available == 1:
             return
         single = threads == 1
         if single != self.single:  # a probe of the other mode
