@@ -413,24 +413,21 @@ class Engine:
         hidden_layers = drafter.hidden_layers if drafter is not None else ()
         width = 1 + max(len(p) for p in proposals)
         starts = [self.cache.length(r.slot) for r in requests]
+        lengths = [1 + len(p) for p in proposals]
         t1 = time.perf_counter()
+        chunk, last = self._prompt_chunk(prompt, sum(lengths)) if prompt is not None else ([], False)
+        block = max(width, len(chunk))
+        rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (block - 1 - len(p))
+                for r, p in zip(requests, proposals)]
         if prompt is None:
-            rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (width - 1 - len(p))
-                    for r, p in zip(requests, proposals)]
-            positions, tree_mask = _tree_layout(proposals, starts, width)
+            positions, tree_mask = _tree_layout(proposals, starts, block)
             logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
-                                                           [1 + len(p) for p in proposals])
-        else:
-            chunk, last = self._prompt_chunk(prompt, sum(1 + len(p) for p in proposals))
-            block = max(width, len(chunk))
-            rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (block - 1 - len(p))
-                    for r, p in zip(requests, proposals)]
-            rows.append(chunk + [chunk[-1]] * (block - len(chunk)))
-            # The prompt's chunk is a causal block after what its slot holds: a chain's layout.
+                                                           lengths)
+        else:  # the chunk: one more sequence, a causal block after what its slot holds (a chain's layout)
             positions, tree_mask = _tree_layout([*proposals, Proposal([])], [*starts, prompt.prompt_done], block)
-            lengths = [1 + len(p) for p in proposals] + [len(chunk)]
-            logits = self._score(rows, [*requests, prompt], [0] * len(requests) + [len(chunk) - int(last)], (),
-                                 positions, tree_mask, lengths)[0]
+            logits = self._score([*rows, chunk + [chunk[-1]] * (block - len(chunk))], [*requests, prompt],
+                                 [0] * len(requests) + [len(chunk) - int(last)], (), positions, tree_mask,
+                                 [*lengths, len(chunk)])[0]
             prompt_logits, logits = logits[len(requests):, :int(last)], logits[:len(requests)]
             final = captured = None
             capture = ()
