@@ -2285,8 +2285,9 @@ static inline void attention_unit(const int64_t *chunks, int64_t Hkv, int64_t u,
 
 /* The softmax and the weighted sum of values of nq <= 16 queries of one sequence (its first row row0) and kv
  * head kv, given their raw dot products with keys 0 .. key_len (scores[j * stride + k], query j of the unit
- * being query q0 + j of the sequence: row row0 + (q0 + j) / group, head kv * group + (q0 + j) % group). scores is overwritten; live_p holds
- * stride floats. Shared by the AMX and the AVX-512 attention, which differ in how they get the dot products. */
+ * being query q0 + j of the sequence: row row0 + (q0 + j) / group, head kv * group + (q0 + j) % group).
+ * scores is overwritten; live_p holds stride floats. Shared by the AMX and the AVX-512 attention, which differ
+ * in how they get the dot products. */
 static void attention_finish(float *scores, int64_t stride, float *live_p, const float *mask, const bf16 *values,
                              int64_t row0, int64_t H, int64_t kv, int64_t group, int64_t q0, int64_t nq,
                              int64_t D, int64_t key_len, float scale, float softcap, bf16 *out) {
