@@ -144,69 +144,6 @@ def test_prompts_reuse_the_cache_entries_of_a_shared_start_and_decode_the_same_t
 
 
 @needs_kernels
-@pytest.mark.parametrize(("family", "drafter"), [("llama", "ngram"), ("gemma3", "ngram"), ("llama", "trees")])
-def test_a_prompt_read_inside_decode_rounds_gives_the_tokens_it_gets_alone(family, drafter):
-    """A long prompt that arrives while others decode enters its slot in chunks (up to PREFILL_CHUNK_TOKENS)
-    inside their rounds (one forward each, the chunk one more packed sequence): the others get tokens in
-    every one of those steps, and every request, the long one included, greedy or sampled from its seed,
-    beside chains and trees, gets exactly the tokens and the cache entries it gets alone."""
-    from specdraft.runtime.model import PREFILL_CHUNK_TOKENS
-
-    target = kernel_model(family, seed=4)  # gemma3: sliding-window layers too
-    tokenizer = ToyTokenizer(KERNEL_VOCAB)
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, KERNEL_VOCAB, (n,), generator=g).tolist() for n in (9, 14, 300)]
-    prompts[1] = prompts[1][:4] * 3 + prompts[1]  # repeats: n-gram drafts and trees to verify beside the prompt
-    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=1.0, max_tokens=40, seed=3),
-              SamplingParams(temperature=0.8, top_k=8, max_tokens=12, seed=4)]
-
-    plain = Engine(target, tokenizer, None, 0, max_model_len=512)
-    answers = {tuple(ids): plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)}
-
-    def fresh() -> Engine:
-        d = NgramDrafter() if drafter == "ngram" else TreeOracle(answers)
-        return Engine(target, tokenizer, d, 3, FIXED, max_model_len=512, max_batch=3, tree=7)
-
-    def entries(engine: Engine, r) -> list[torch.Tensor]:
-        n = len(r.prompt_ids) + len(r.result.token_ids) - 1
-        return [c[r.slot, :, :n].clone() for c in (*engine.cache.k, *engine.cache.v)]
-
-    def alone(prompt: list[int], p: SamplingParams):
-        engine = fresh()
-        request = engine.add_request(prompt, p)
-        while not request.finished:
-            engine.step([request])
-        return request.result.token_ids, entries(engine, request)
-
-    engine = fresh()
-    running = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
-    while not all(r.prefilled for r in running):
-        engine.step(running)
-    late = engine.add_request(prompts[2], params[2])
-    running.append(late)
-    read = []
-    while not late.prefilled:
-        chunks = engine.step(running)
-        read.append(late.prompt_done)
-        assert all(len(c.token_ids) >= 1 for c in chunks[:2])  # the others decode meanwhile
-    steps = [b - a for a, b in zip([0, *read], read)]
-    assert read[-1] == 300 and len(read) >= 3 and all(0 < n <= PREFILL_CHUNK_TOKENS for n in steps), read
-    assert len(chunks[2].token_ids) == 1  # its first token comes with its last chunk
-    finished = {}
-    while running:
-        engine.step(running)
-        for r in running:
-            if r.finished:
-                finished[r.id] = (r.result.token_ids, entries(engine, r))
-        running = [r for r in running if not r.finished]
-    assert engine.totals.drafted > 0
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        tokens, cache_entries = alone(prompt, p)
-        assert finished[i][0] == tokens, i
-        assert all(torch.equal(a, b) for a, b in zip(finished[i][1], cache_entries)), i
-
-
-@needs_kernels
 def test_continuous_batching_admits_requests_as_slots_free():
     """Three slots, eight requests: they all finish, in input order, identical to running alone."""
     target = kernel_model("qwen")
@@ -243,40 +180,6 @@ def test_step_advances_each_request_and_release_frees_its_slot():
     while not a.finished or not c.finished:
         engine.step([a, c])
     assert engine.free_slots == 2
-
-
-class TreeOracle:
-    """Every round a tree of 5 drafts around a known continuation (plain decoding's): a wrong first child,
-    the right one with a wrong and a right child of its own, and the next right token below that, so that
-    greedy verification accepts a path that is not a prefix of the block (its cache entries are moved)."""
-
-    name = "tree-oracle"
-    hidden_layers = ()
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.answers, self.prompts = answers, {}
-
-    def add_request(self, request: DraftRequest) -> None:
-        self.prompts[request.request_id] = request.prompt_ids
-
-    def propose(self, request_ids, contexts, max_ks, max_nodes=None) -> list[Proposal]:
-        out = []
-        for request_id, context in zip(request_ids, contexts):
-            prompt = self.prompts[request_id]
-            answer = self.answers[tuple(prompt)][len(context) - len(prompt):]
-            if len(answer) < 3:
-                out.append(Proposal([]))
-                continue
-            wrong = [(t + 1) % KERNEL_VOCAB for t in answer[:2]]
-            out.append(Proposal([wrong[0], answer[0], wrong[1], answer[1], answer[2]], None,
-                                [ROOT, ROOT, 1, 1, 3]))
-        return out
-
-    def observe(self, request_id, verified) -> None:
-        pass
-
-    def remove_request(self, request_id) -> None:
-        self.prompts.pop(request_id, None)
 
 
 class RecordingDrafter:

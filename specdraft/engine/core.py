@@ -3,10 +3,9 @@
 Each request carries all of its own state (`Request`): context, output assembly and stopping, sampling
 parameters with its own random generator, the adaptive draft-length controller, metrics and a KV-cache slot.
 `Engine.step(requests)` advances the given requests by one round: new requests get their prefill (one
-prompt forward per step, which yields the first token; a long prompt beside decoding requests is read in
-chunks inside their rounds); once none is left waiting, every other request's drafter proposes, one batched
-target forward scores all proposals (ragged lengths over the slot KV cache, padded to the longest), and each
-request accepts on its own. `stream` and `generate` are thin loops over
+prompt forward per step, which yields the first token); once none is left waiting, every other request's
+drafter proposes, one batched target forward scores all proposals (ragged lengths over the slot KV cache,
+padded to the longest), and each request accepts on its own. `stream` and `generate` are thin loops over
 `step`; `generate_many` keeps up to `max_batch` requests in flight, admitting new ones as others finish
 (continuous batching).
 
@@ -52,7 +51,7 @@ from specdraft.engine.stopping import OutputAssembler
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.fused import SMALL_BATCH_ROWS
-from specdraft.runtime.model import PREFILL_CHUNK_TOKENS, Transformer
+from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
 from specdraft.verify.greedy import argmax, common_prefix, for_reduction, topk_indices
@@ -110,8 +109,6 @@ class Request:
     context: list[int] = field(default_factory=list)  # prompt + emitted tokens (the last one is pending)
     origins: list[str] = field(default_factory=list)
     prefilled: bool = False
-    prompt_done: int | None = None  # prompt tokens in the cache so far, while its prompt rides in decode rounds
-    prefill_started: float | None = None
     drafting: bool = False  # registered with the drafter
     holds_slot: bool = True  # until released (the slot may then serve another request)
     result: GenerationResult | None = None
@@ -247,24 +244,18 @@ class Engine:
         """Advance the requests by one round; one chunk per request, in order. A request that finishes in
         this round gets its `GenerationResult` on its chunk and its slot released.
 
-        New requests are prefilled one at a time, in arrival order. Beside requests that are decoding, a
-        prompt of more than one chunk rides in their rounds: a chunk of it joins each round's forward as one
-        more sequence (`_rides_along`), so the others keep decoding while it is read instead of waiting for
-        all of it. Otherwise one prefill forward (`_prefill_groups`) per step, and the decode round in the
-        step that prefills the last waiting request: a wave of arrivals gets each first token as soon as its
-        own prompt is done, not after every prompt of the wave, and decodes in full batches after it."""
+        New requests are prefilled one forward (`_prefill_groups`) per step, and the decode round of the
+        others runs in the step that prefills the last of them: the same forwards as prefilling them all
+        first, but a wave of arrivals gets each first token as soon as its own prompt is done (8 clients
+        arriving together: median time to first token 251 -> 158 ms), not after every prompt of the wave."""
         live = [r for r in requests if not r.finished]
         chunks: dict[int, StreamChunk] = {}
-        waiting = [r for r in live if not r.prefilled]
-        decoding = [r for r in live if r.prefilled]
-        if waiting and decoding and self._rides_along(waiting[0]):
-            chunks.update(self._decode_round(decoding, waiting[0]))
-        else:
-            groups = _prefill_groups(waiting)
-            if groups:
-                chunks.update(self._prefill(groups[0]))
-            if decoding and len(groups) <= 1:
-                chunks.update(self._decode_round(decoding))
+        groups = _prefill_groups([r for r in live if not r.prefilled])
+        if groups:
+            chunks.update(self._prefill(groups[0]))
+        decoding = [r for r in live if r.prefilled and r.id not in chunks]
+        if decoding and len(groups) <= 1:
+            chunks.update(self._decode_round(decoding))
         out = []
         for r in requests:
             chunk = chunks.get(r.id) or StreamChunk(r.id, "", [], [])
@@ -318,57 +309,40 @@ class Engine:
     # ------------------------------------------------------------------------------------------ rounds
 
     def _prefill(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
-        """The prompts' forward (one for prompts of equal length; the rest of a prompt that began in decode
-        rounds): yields each request's first token and registers it with the drafter."""
+        """The prompts' forward (one for prompts of equal length): yields each request's first token and
+        registers it with the drafter."""
         hidden_layers = self.drafter.hidden_layers if self.drafter is not None else ()
         length = len(requests[0].prompt_ids)
         t0 = time.perf_counter()
         exact = self.target.reuses_cache_entries(self.cache, length)
-        if requests[0].prompt_done is not None:  # (alone: `_prefill_groups`)
-            reused = requests[0].prompt_done
-        else:
-            reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 else 0
-            for r in requests:
-                r.metrics.prompt_tokens_cached, r.prefill_started = reused, t0
+        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 else 0
         logits, final, captured, capture = self._score([r.prompt_ids[reused:] for r in requests], requests,
                                                        length - reused - 1, hidden_layers)
+        prefill_time = time.perf_counter() - t0
         for r in requests:
-            self.cache.commit(r.slot, length)
+            r.metrics.prompt_tokens_cached = reused
+            if exact:
+                self._cached_tokens[r.slot] = r.prompt_ids
+            else:
+                self._cached_tokens.pop(r.slot, None)
+        chunks = {}
         firsts, _ = sample_rows(logits[:, -1], [r.params for r in requests], [r.generator for r in requests])
-        return {r.id: self._first_token(r, first, exact, self._hidden(hidden_layers, capture, captured, final, b))
-                for b, (r, first) in enumerate(zip(requests, firsts, strict=True))}
-
-    def _first_token(self, r: Request, first: int, exact: bool, prompt_hidden: dict[int, torch.Tensor]
-                     ) -> StreamChunk:
-        """The prompt is in r's slot and the target chose its first token: decoding begins (the drafter
-        learns of r), and the slot's entries are offered to later prompts where they are exact."""
-        r.metrics.prefill_time = time.perf_counter() - r.prefill_started
-        if exact:
-            self._cached_tokens[r.slot] = r.prompt_ids
-        else:
-            self._cached_tokens.pop(r.slot, None)
-        r.prefilled = True
-        r.context = r.prompt_ids + [first]
-        r.out.add(first)
-        r.origins.append(TARGET)
-        if self.drafter is not None and not r.finished:
-            t = time.perf_counter()
-            self.drafter.add_request(DraftRequest(r.id, r.prompt_ids, r.params, r.generator, self.cache, r.slot,
-                                                  prompt_hidden))
-            r.drafting = True
-            r.metrics.draft_time += time.perf_counter() - t
-        return StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
-
-    def _rides_along(self, r: Request) -> bool:
-        """Whether r's prompt enters its slot in chunks inside other requests' decode rounds: a prompt longer
-        than a chunk (a shorter one costs the others one round's wait; riding, its rounds would run them in
-        part-filled batches, measured slower: SmolLM2, 16 dev prompts at 8 clients, 2.5x -> 2.3x one
-        client), where the fused kernels give every row its own bits (the cache entries and the first token
-        are then those of its own prefill, and its prefix may be reused), for a drafter that reads no
-        prompt features."""
-        return ((r.prompt_done is not None or len(r.prompt_ids) > PREFILL_CHUNK_TOKENS)
-                and self.target.reuses_cache_entries(self.cache, len(r.prompt_ids))
-                and (self.drafter is None or not self.drafter.hidden_layers))
+        for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
+            self.cache.commit(r.slot, length)
+            r.metrics.prefill_time = prefill_time
+            r.prefilled = True
+            r.context = r.prompt_ids + [first]
+            r.out.add(first)
+            r.origins.append(TARGET)
+            if self.drafter is not None and not r.finished:
+                t = time.perf_counter()
+                prompt_hidden = self._hidden(hidden_layers, capture, captured, final, b)
+                self.drafter.add_request(DraftRequest(r.id, r.prompt_ids, r.params, r.generator, self.cache,
+                                                      r.slot, prompt_hidden))
+                r.drafting = True
+                r.metrics.draft_time += time.perf_counter() - t
+            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
+        return chunks
 
     def _reuse_prefix(self, r: Request) -> int:
         """Put in r's slot the longest start of its prompt whose cache entries a slot still holds (a shared
@@ -392,10 +366,7 @@ class Engine:
             self.cache.copy_prefix(source, r.slot, best)
         return best
 
-    def _decode_round(self, requests: Sequence[Request], prompt: Request | None = None) -> dict[int, StreamChunk]:
-        """One propose -> verify -> accept round of the decoding `requests`, with the next chunk of a waiting
-        request's `prompt` (`_rides_along`) as one more sequence of the same forward, whose last chunk yields
-        its first token."""
+    def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
         t0 = time.perf_counter()
         cap = self.batch_depths.choose(len(requests)) if self.batch_depths is not None else None
@@ -412,25 +383,13 @@ class Engine:
 
         hidden_layers = drafter.hidden_layers if drafter is not None else ()
         width = 1 + max(len(p) for p in proposals)
-        starts = [self.cache.length(r.slot) for r in requests]
-        lengths = [1 + len(p) for p in proposals]
-        t1 = time.perf_counter()
-        chunk, last = self._prompt_chunk(prompt, sum(lengths)) if prompt is not None else ([], False)
-        block = max(width, len(chunk))
-        rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (block - 1 - len(p))
+        rows = [[r.context[-1], *p.tokens] + [r.context[-1]] * (width - 1 - len(p))
                 for r, p in zip(requests, proposals)]
-        if prompt is None:
-            positions, tree_mask = _tree_layout(proposals, starts, block)
-            logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
-                                                           lengths)
-        else:  # the chunk: one more sequence, a causal block after what its slot holds (a chain's layout)
-            positions, tree_mask = _tree_layout([*proposals, Proposal([])], [*starts, prompt.prompt_done], block)
-            logits = self._score([*rows, chunk + [chunk[-1]] * (block - len(chunk))], [*requests, prompt],
-                                 [0] * len(requests) + [len(chunk) - int(last)], (), positions, tree_mask,
-                                 [*lengths, len(chunk)])[0]
-            prompt_logits, logits = logits[len(requests):, :int(last)], logits[:len(requests)]
-            final = captured = None
-            capture = ()
+        starts = [self.cache.length(r.slot) for r in requests]
+        positions, tree_mask = _tree_layout(proposals, starts, width)
+        t1 = time.perf_counter()
+        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
+                                                       [1 + len(p) for p in proposals])
         greedy = [r.params.greedy for r in requests]
         target_argmax = _target_argmax(logits) if any(greedy) else None  # all that greedy rows read
         if not all(greedy):
@@ -445,12 +404,9 @@ class Engine:
         top = _target_topk(logits, topk) if topk else None
         topk_time = time.perf_counter() - t2
 
-        # Rounds that drafted under a cap, or plain by it (not one that also read a prompt: its time is mostly that)
-        if cap is not None and (cap == 0 or drafting) and prompt is None:
+        if cap is not None and (cap == 0 or drafting):  # rounds that drafted under a cap, or plain by it
             self.batch_depths.update(len(requests), cap, sum(len(e) for e in emitted), draft_time + verify_time)
         chunks = {}
-        if prompt is not None:
-            chunks[prompt.id] = self._prompt_chunk_done(prompt, len(chunk), prompt_logits)
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
             start, path = starts[b], accepted[b]
             if path == list(range(len(path))):  # a prefix of the block: keep it where it is
@@ -458,7 +414,7 @@ class Engine:
             else:  # a path through a tree: move its keys and values up behind the pending token
                 self.cache.compact(r.slot, [0] + [1 + i for i in path])
             chunks[r.id] = self._accept(r, proposal, len(path), emitted[b], draft_time if budgets[b][0] else 0.0,
-                                        verify_time, budgets[b][2], timed=prompt is None)
+                                        verify_time, budgets[b][2])
             if r.drafting and not r.finished:
                 scored = rows[b][:1 + len(proposal)]
                 hidden = self._hidden(hidden_layers, capture, captured, final, b, len(scored))
@@ -469,30 +425,6 @@ class Engine:
                                                None if top is None else top[b, :len(scored)]))
                 r.metrics.draft_time += time.perf_counter() - t + topk_time
         return chunks
-
-    def _prompt_chunk(self, r: Request, beside: int) -> tuple[list[int], bool]:
-        """The next chunk of r's prompt to read in a decode round of `beside` rows, and whether it is the
-        last; first r's slot takes what it can reuse of an earlier prompt (`_reuse_prefix`: never the last
-        token, whose logits give the first output). With the round's rows a chunk fills PREFILL_CHUNK_TOKENS
-        rows where it can (whole tiles of 16: a row past them costs a padded tile; the round's 8 decode rows
-        beside 120 prompt tokens cost 8 ms, a decode round of their own 12); any chunking gives the same
-        bits (row invariance)."""
-        if r.prompt_done is None:
-            r.prefill_started = time.perf_counter()
-            r.prompt_done = r.metrics.prompt_tokens_cached = self._reuse_prefix(r)
-        size = PREFILL_CHUNK_TOKENS - beside if beside <= PREFILL_CHUNK_TOKENS // 2 else PREFILL_CHUNK_TOKENS
-        end = min(len(r.prompt_ids), r.prompt_done + size)
-        return r.prompt_ids[r.prompt_done:end], end == len(r.prompt_ids)
-
-    def _prompt_chunk_done(self, r: Request, tokens: int, logits: torch.Tensor) -> StreamChunk:
-        """Commit a chunk of r's prompt read in a decode round; after the last, its first token (from
-        `logits` [1, 1, vocab], the prompt's last position) begins r's decoding."""
-        r.prompt_done += tokens
-        self.cache.commit(r.slot, r.prompt_done)
-        if r.prompt_done < len(r.prompt_ids):
-            return StreamChunk(r.id, "", [], [])
-        firsts, _ = sample_rows(logits[:, 0], [r.params], [r.generator])
-        return self._first_token(r, firsts[0], True, {})
 
     def _draft_budget(self, r: Request, cap: int | None = None) -> tuple[int, int, int | None]:
         """(depth, nodes, shape) of the request's next draft: depth 0 is a plain round; shape is the
@@ -514,16 +446,14 @@ class Engine:
         return min(depth, nodes), nodes, shape
 
     def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
-                verify_time: float, shape: int | None = None, timed: bool = True) -> StreamChunk:
-        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop. A round
-        that also read a prompt (`timed` False) teaches the controller and the shape chooser nothing: its
-        time is mostly the prompt's."""
+                verify_time: float, shape: int | None = None) -> StreamChunk:
+        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop."""
         nodes = len(proposal) if len(proposal) and not proposal.is_chain else None
         drafted = max(proposal.depths, default=0)
         r.metrics.record_round(drafted, num_accepted, nodes)
         r.metrics.draft_time += draft_time
         r.metrics.verify_time += verify_time
-        if self.drafter is not None and timed:
+        if self.drafter is not None:
             r.controller.update(drafted, num_accepted, draft_time, verify_time, nodes)
             if drafted and shape is not None:
                 r.shapes.update(shape, num_accepted + 1, draft_time + verify_time)
@@ -554,15 +484,14 @@ class Engine:
         self.release(r)
         return r.result
 
-    def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int | Sequence[int],
+    def _score(self, rows: list[list[int]], requests: Sequence[Request], logits_from: int,
                hidden_layers: Sequence[int], positions: torch.Tensor | None = None,
                tree_mask: torch.Tensor | None = None, lengths: Sequence[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[int, ...]]:
         """One target forward over `rows` (one per request, in its slot): logits from `logits_from` on, and
         what the drafter's `hidden_layers` need: the final-normed hidden states of those rows (-1) and the
         residual stream after the named layers (all rows), with the captured layer list. `lengths`: each
-        row's real tokens (the rest is padding the target need not compute); then `logits_from` may name a
-        start per row (`Transformer.forward`)."""
+        row's real tokens (the rest is padding the target need not compute)."""
         # The final output of every prompt row is not computed (only the last row's logits are): at prefill
         # -1 comes from the last layer's residual stream instead.
         want_final = -1 in hidden_layers and logits_from == 0
@@ -632,7 +561,7 @@ def _prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
     singles = []
     for r in requests:
         n = len(r.prompt_ids)
-        if n <= SMALL_BATCH_ROWS and r.prompt_done is None:
+        if n <= SMALL_BATCH_ROWS:
             groups.setdefault(n, []).append(r)
         else:
             singles.append([r])

@@ -43,13 +43,12 @@ class SlotLengths:
         for s in range(self.num_slots) if slot is None else [slot]:
             self.lengths[s] = 0
 
-    def check_room(self, slots: Sequence[int], num_new: int | Sequence[int]) -> None:
-        """num_new: the tokens each slot takes (one count for all, or one per slot)."""
-        counts = [num_new] * len(slots) if isinstance(num_new, int) else list(num_new)
-        for s, n in zip(slots, counts, strict=True):
-            if self.lengths[s] + n > self.max_len:
+    def check_room(self, slots: Sequence[int], num_new: int) -> None:
+        for s in slots:
+            if self.lengths[s] + num_new > self.max_len:
                 raise ContextOverflowError(
-                    f"context full: slot {s} holds {self.lengths[s]} tokens, {n} more do not fit in {self.max_len}"
+                    f"context full: slot {s} holds {self.lengths[s]} tokens, {num_new} more do not fit in "
+                    f"{self.max_len}"
                 )
 
 

@@ -308,7 +308,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         exit_layer: int | None = None,
-        logits_from: int | Sequence[int] = 0,
+        logits_from: int = 0,
         return_hidden: bool = False,
         capture_layers: Sequence[int] = (),
         branch_mask: torch.Tensor | None = None,
@@ -322,10 +322,7 @@ class Transformer(nn.Module):
             level by level (a drafter's); new token i sees the j-th of them only where branch_mask[b, i, j]
             (its ancestors). Committed keys are otherwise visible to every new token.
         exit_layer: run only the first N layers, then the final norm and head (early-exit self-drafting).
-        logits_from: compute logits for rows logits_from.. only (prefill needs just the last one); with
-            `lengths`, one start per block: block b's logits are then those of its rows logits_from[b] ..
-            lengths[b] - 1, at 0.. of a [B, max(lengths[b] - logits_from[b]), vocab] result (a decode round
-            that also reads a prompt chunk: all of each draft block's rows, none or the last of the prompt's).
+        logits_from: compute logits for rows logits_from.. only (prefill needs just the last one).
         return_hidden / capture_layers: return a `ForwardOutput` with the final-normed hidden states of those
         rows and the residual stream after each layer in `capture_layers` (all T rows), which is what
         feature-level drafters read; asking for nothing costs nothing.
@@ -336,11 +333,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         slots = list(range(B)) if slots is None else list(slots)
-        cache.check_room(slots, T if lengths is None else lengths)
-        per_block = not isinstance(logits_from, int)
-        if per_block and (lengths is None or return_hidden or capture_layers or exit_layer is not None
-                          or not self.fused.applies(self, 1, cache)):
-            raise ValueError("logits_from per block needs `lengths`, the fused kernels and no hidden outputs")
+        cache.check_room(slots, T)
         device = self.device  # callers build their index tensors on the CPU, wherever the model runs
         tokens = tokens.to(device)
         positions, tree_mask, branch_mask = (None if t is None else t.to(device)
@@ -363,10 +356,10 @@ class Transformer(nn.Module):
         index = (rows, torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(T, device=tokens.device))
         num_layers = len(self.layers) if exit_layer is None else exit_layer
         self._check_capture(capture_layers, num_layers)
-        if per_block or (lengths is not None and logits_from == 0 and sum(lengths) <= RAGGED_BELOW * B * T
-                         and self.fused.applies(self, 1, cache)):
+        if (lengths is not None and logits_from == 0 and sum(lengths) <= RAGGED_BELOW * B * T
+                and self.fused.applies(self, 1, cache)):
             return self._forward_ragged(tokens, lengths, positions, masks, cache, index, num_layers,
-                                        return_hidden, capture_layers, logits_from if per_block else None)
+                                        return_hidden, capture_layers)
         x = self.embed_tokens(tokens)
         if self.fused.applies(self, T, cache, chunk if causal_block else SMALL_BATCH_ROWS):
             angles = {kind: self._rope_angles(positions, kind) for kind in set(self.config.layer_types)}
@@ -417,14 +410,13 @@ class Transformer(nn.Module):
 
     def _forward_ragged(self, tokens: torch.Tensor, lengths: Sequence[int], positions: torch.Tensor,
                         masks: dict[str, torch.Tensor], cache: KVCache, index: tuple[torch.Tensor, torch.Tensor],
-                        num_layers: int, return_hidden: bool, capture_layers: Sequence[int],
-                        logits_from: Sequence[int] | None = None) -> torch.Tensor | ForwardOutput:
+                        num_layers: int, return_hidden: bool, capture_layers: Sequence[int]
+                        ) -> torch.Tensor | ForwardOutput:
         """`forward` over the real rows of padded blocks only: each block's real tokens become one packed
         sequence of the fused forward, each token with its own cache position and row of the block's mask.
         Every sequence's keys and values are stored before any attention reads them, so a token sees the
         block's earlier tokens as in the padded layout, and each row gets the bits it gets there (the
-        kernels' row invariance). Outputs come back in the padded layout; padding rows are left unset.
-        With `logits_from` (one start per block) only those rows get logits, packed to the left (see forward)."""
+        kernels' row invariance). Outputs come back in the padded layout; padding rows are left unset."""
         B, T = tokens.shape
         real = (torch.arange(T)[None, :] < torch.tensor(list(lengths))[:, None]).reshape(-1)
         flat = real.nonzero().squeeze(1)                                           # [N] into the B*T rows
@@ -438,15 +430,6 @@ class Transformer(nn.Module):
         normed, captured = self.fused.run_layers(self, x, angles, entry_masks, cache, slots,
                                                  index[1].reshape(-1)[flat][:, None], num_layers, capture_layers,
                                                  seq_lens)
-        if logits_from is not None:
-            from_t = torch.tensor(list(logits_from))
-            wanted = real.view(B, T) & (torch.arange(T)[None, :] >= from_t[:, None])     # [B, T]
-            width = int((torch.tensor(list(lengths)) - from_t).clamp_min(0).max())
-            logits = self._head(normed[wanted.reshape(-1)[flat], 0])
-            out = logits.new_empty(B, width, logits.shape[-1])
-            block, row = wanted.nonzero(as_tuple=True)                                 # in entry order
-            out[block, row - from_t[block]] = logits
-            return out
         logits = self._head(normed[:, 0])
 
         def padded(rows: torch.Tensor) -> torch.Tensor:  # [..., N, width] -> [..., B, T, width]
