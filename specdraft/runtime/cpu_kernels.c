@@ -2522,14 +2522,14 @@ static void attention_panels_for(const bf16 *q, const bf16 *k_cache, const uint3
     if (!scores || !kpanel || !qb || !qf || !chunks) abort();
     /* units of up to 16 queries; at least one unit per thread where there are queries enough (one token of a
      * model with one kv head): then each sequence's queries in as many even chunks */
-    for (int64_t s = 0; s < B; s++) units += Hkv * (chunks[s] = ((seq_start[s + 1] - seq_start[s]) * group + 15) / 16);
-    if (units < threads)
-        for (int64_t s = 0, split = (threads + B * Hkv - 1) / (B * Hkv); s < B; s++) {
-            const int64_t queries = (seq_start[s + 1] - seq_start[s]) * group;
-            chunks[s] = split < queries ? split : queries;
-        }
-    units = 0;
-    for (int64_t s = 0; s < B; s++) units += Hkv * chunks[s];
+    int64_t sixteens = 0;
+    for (int64_t s = 0; s < B; s++) sixteens += Hkv * (((seq_start[s + 1] - seq_start[s]) * group + 15) / 16);
+    const int64_t split = sixteens < threads ? (threads + B * Hkv - 1) / (B * Hkv) : 0;
+    for (int64_t s = 0; s < B; s++) {
+        const int64_t queries = (seq_start[s + 1] - seq_start[s]) * group;
+        chunks[s] = split == 0 ? (queries + 15) / 16 : split < queries ? split : queries;
+        units += Hkv * chunks[s];
+    }
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
         int64_t b, kv, c;

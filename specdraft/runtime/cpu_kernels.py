@@ -514,6 +514,12 @@ def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
+@functools.lru_cache(maxsize=256)
+def _uniform_starts(batch: int, tokens: int) -> torch.Tensor:
+    """seq_start of `batch` sequences of `tokens` rows each (read-only: shared between forwards)."""
+    return torch.arange(batch + 1, dtype=torch.int64) * tokens
+
+
 def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_caches: ctypes.Array,
                    v_caches: ctypes.Array, k_panels: ctypes.Array | None, x: torch.Tensor, slots: torch.Tensor,
                    cache_pos: torch.Tensor,
@@ -540,11 +546,16 @@ def forward_layers(layers: ctypes.Array, num_layers: int, shape: ModelShape, k_c
     key_len = (full if full is not None else sliding).shape[-1]
     cos_full, sin_full = ropes.get("full", (None, None))
     cos_sliding, sin_sliding = ropes.get("sliding", (None, None))
-    lens = [tokens] * batch if seq_lens is None else list(seq_lens)
-    if len(lens) != batch or min(lens, default=1) < 1 or sum(lens) != x.shape[0] or slots.numel() != batch:
-        raise ValueError(f"forward_layers: {x.shape[0]} rows, {slots.numel()} slots and sequence lengths {lens} "
-                         f"for {batch} sequences do not agree")
-    seq_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    if seq_lens is None:
+        lens_ok = tokens >= 1 and batch * tokens == x.shape[0]
+        seq_start = _uniform_starts(batch, tokens)  # decoding's case: no allocation per forward
+    else:
+        lens = list(seq_lens)
+        lens_ok = len(lens) == batch and min(lens, default=0) >= 1 and sum(lens) == x.shape[0]
+        seq_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    if not lens_ok or slots.numel() != batch:
+        raise ValueError(f"forward_layers: {x.shape[0]} rows, {slots.numel()} slots and sequence lengths "
+                         f"{seq_lens or [tokens] * batch} do not make {batch} non-empty sequences")
     status = _lib.sd_forward(layers, num_layers, ctypes.byref(shape), k_caches, v_caches, k_panels, x.data_ptr(),
                              normed.data_ptr(),
                              slots.data_ptr(), cache_pos.data_ptr(), _ptr(full), _ptr(sliding), key_len,
