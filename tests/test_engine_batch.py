@@ -144,6 +144,35 @@ def test_prompts_reuse_the_cache_entries_of_a_shared_start_and_decode_the_same_t
 
 
 @needs_kernels
+def test_a_conversation_keeps_its_cache_entries_while_other_requests_come_and_go():
+    """A new request takes a free slot whose entries all start its prompt (the longest), else the slot
+    released longest ago: a conversation's next turn reuses all of its last turn although other clients'
+    requests, sharing its system prompt, ran in between (taking the slot released last, or the one sharing
+    the longest start, would have overwritten it), and decodes the tokens a fresh engine gives."""
+    target = kernel_model("llama")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    engine = Engine(target, tokenizer, None, 0, FIXED, max_model_len=256, max_batch=3)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = kernel_prompts(6, seed=5)
+    system = prompts[3]  # 12 tokens
+    first, *others = [system + part for part in prompts[:3]]
+    follow_up = prompts[5]
+    turn = engine.add_request(first, params)
+    while not turn.finished:
+        engine.step([turn])
+    for other in others:  # other clients, each on a slot of its own while the conversation waits
+        assert engine.generate(other, params).metrics.prompt_tokens_cached == len(system)
+    next_turn = first + turn.result.token_ids + follow_up
+    request = engine.add_request(next_turn, params)
+    assert request.slot == turn.slot  # its own entries, where they are: nothing to copy
+    while not request.finished:
+        engine.step([request])
+    assert request.metrics.prompt_tokens_cached == len(first) + len(turn.result.token_ids) - 1
+    assert request.result.token_ids == Engine(target, tokenizer, None, 0).generate(next_turn, params).token_ids
+    assert engine.free_slots == 3
+
+
+@needs_kernels
 def test_continuous_batching_admits_requests_as_slots_free():
     """Three slots, eight requests: they all finish, in input order, identical to running alone."""
     target = kernel_model("qwen")

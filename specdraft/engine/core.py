@@ -161,7 +161,7 @@ class Engine:
         self.draft_costs = DraftCostMemory()
         # Room past any request's own limit for the padding of a batched verification block.
         self.cache = target.new_cache(self.max_model_len + max(num_speculative_tokens, self.tree) + 1, max_batch)
-        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._free_slots = list(range(max_batch))  # least recently released first (`_take_slot`)
         # Slot -> the tokens whose cache entries the slot still holds intact (its request's prompt, then its
         # whole context once it finished), for later prompts that start with them (`_reuse_prefix`).
         self._cached_tokens: dict[int, list[int]] = {}
@@ -201,11 +201,24 @@ class Engine:
             out=OutputAssembler(self.tokenizer, params),
             controller=DraftLengthController(self.num_speculative_tokens, self.adaptive, self.draft_costs),
             shapes=self.shapes.fork() if self.shapes is not None else None,
-            metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._free_slots.pop(),
+            metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._take_slot(prompt_ids),
             started_at=time.perf_counter())
         self._next_id += 1
         self.cache.reset(request.slot)
         return request
+
+    def _take_slot(self, prompt_ids: list[int]) -> int:
+        """A free slot for a new request, overwriting as few reusable cache entries as it can: a slot whose
+        entries all start the prompt (the conversation's last turn: reused where they are, nothing lost), the
+        longest such; else the slot released longest ago. The slot released last would be the worst choice:
+        with several clients, another client's request took the slot a conversation had just finished its
+        turn in before that conversation's next turn came (an empty slot holds nothing, so it comes first)."""
+        at, longest = 0, -1
+        for i, slot in enumerate(self._free_slots):
+            cached = self._cached_tokens.get(slot, ())
+            if len(cached) > longest and common_prefix(cached, prompt_ids) == len(cached):
+                at, longest = i, len(cached)
+        return self._free_slots.pop(at)
 
     def release(self, request: Request) -> None:
         """Free the request's slot and drafter state (at its end, or when its client goes away)."""
