@@ -1,9 +1,10 @@
 """Prompt-cache reuse of multi-turn conversations served together: the dev suite's two-turn (MT-bench)
 conversations, each turn's answer greedy, each second turn queued behind the first turns still waiting (as a
 server sees them arrive), `--clients` at a time on an engine of `--max-batch` slots (a server has more slots
-than it has clients most of the time: the free ones still hold finished requests' entries). Prints how many second-turn prompt tokens
-came from the cache and the prefill time, for the engine's slot choice (`Engine._take_slot`: the free slot
-whose entries start the prompt, else the one released longest ago) against taking the slot released last.
+than it has clients most of the time: the free ones still hold finished requests' entries). Prints how many
+second-turn prompt tokens came from the cache and the prefill time, for the engine's slot choice
+(`Engine._take_slot`: a free slot whose entries all start the prompt, else the one released longest ago)
+against taking the slot released last.
 
     .venv/bin/python scripts/bench_prefix_reuse.py [--model smollm2-135m] [--max-batch 4] [--max-tokens 64]
 """
@@ -72,7 +73,7 @@ def main() -> None:
         engine = build_engine(model, tokenizer, None, 0, max_batch=args.max_batch)
         if policy is not None:
             engine._free_slots.reverse()  # the stack's order: slot 0 on top
-            engine._take_slot = lambda ids, e=engine: policy(e, ids)
+            engine._take_slot = lambda ids, e=engine, take=policy: take(e, ids)
         start = time.perf_counter()
         out = serve(engine, tokenizer, conversations, params, min(args.clients, args.max_batch))
         wall = time.perf_counter() - start
