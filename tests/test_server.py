@@ -179,6 +179,13 @@ def test_openai_client_chat_and_completions_stream_or_not_match_the_engine_alone
     reused = engine.target.reuses_cache_entries(engine.cache, 10)  # the fused kernels (a compiler) are here
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == (9 if reused else 0)
 
+    # /reset_prefix_cache (vLLM's): the next one computes its whole prompt again, to the same text.
+    assert httpx.post(url + "/reset_prefix_cache").json() == {"status": "ok"}
+    again = oa.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "abcabcabc"}],
+                                       max_tokens=24, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == chat.choices[0].message.content
+
     expected = reference(target, tokenizer, tokenizer.encode("hello"), 12)
     done = oa.completions.create(model=NAME, prompt="hello", max_tokens=12, temperature=0)
     assert_greedy(done.choices[0].text, expected)
@@ -335,6 +342,8 @@ def test_api_key_is_required_when_set(target, tokenizer):
             client(url, "wrong").chat.completions.create(model=NAME, messages=MSG, max_tokens=2)
         ok = client(url, "s3cret").chat.completions.create(model=NAME, messages=MSG, max_tokens=3, temperature=0)
         assert len(ok.choices[0].message.content) == 3
+        assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+        assert httpx.post(url + "/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
         assert httpx.get(url + "/metrics").status_code == 200
     # and without a key, any or no Authorization header is fine (the shared server has none)
@@ -498,6 +507,10 @@ def test_bench_serve_client_measures_a_live_server(server):
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
+    # Every run starts with no prompt cached (`/reset_prefix_cache`): a repeat times the prefill again.
+    for _ in range(2):
+        results, wall = asyncio.run(_run_level(url, NAME, ["abcabcabcabc"], 1, 6, None))
+        assert summarize("ngram", 1, results, wall)["prompt_tokens_cached"] == 0
     # Not streamed (the server's cost against LLM.generate): the same tokens, no per-token timings.
     quiet, _ = asyncio.run(_run_level(url, NAME, ["abc", "hello"], 1, 6, None, stream=False))
     assert [r["tokens"] for r in quiet] == [6, 6] and all(r["ttft_s"] is None for r in quiet)

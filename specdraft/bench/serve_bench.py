@@ -6,6 +6,8 @@ served twice in this process: plain decoding and the drafter. Levels run interle
 per level, `--repeats` times, each row the run of median throughput) so machine noise hits both alike. At
 concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does),
 alternated with the plain server streamed and not, so the server's own cost is measured in the same run.
+Every run starts with no prompt cached (`POST /reset_prefix_cache`; the direct engine's `restore_prefixes`):
+repeats send the same prompts, and the servers' slots would otherwise hand them their earlier entries.
 Reported per level and mode, as vLLM's `benchmark_serving` does:
 
 - throughput: output tokens / wall time of the level, and requests / s;
@@ -108,11 +110,12 @@ async def _one_request(session: Any, url: str, model: str, prompt: str, max_toke
     if not events or usage is None:
         return {"error": "no content or no usage in the response"}
     tokens = usage["completion_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     if not stream:  # one answer at the end: no first token or gaps to time
-        return {"ttft_s": None, "e2e_s": done - sent, "tokens": tokens, "tpot_s": None, "itl_s": [],
-                "acceptance_rate": usage.get("acceptance_rate"),
+        return {"ttft_s": None, "e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached, "tpot_s": None,
+                "itl_s": [], "acceptance_rate": usage.get("acceptance_rate"),
                 "mean_accepted_length": usage.get("mean_accepted_length")}
-    return {"ttft_s": events[0] - sent, "e2e_s": done - sent, "tokens": tokens,
+    return {"ttft_s": events[0] - sent, "e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached,
             "tpot_s": (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else None,
             "itl_s": [b - a for a, b in zip(events, events[1:])],
             "acceptance_rate": usage.get("acceptance_rate"), "mean_accepted_length": usage.get("mean_accepted_length")}
@@ -139,6 +142,10 @@ async def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: 
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     return {"error": f"{type(exc).__name__}: {exc}"}
 
+        # Each run starts from no cached prompts, as the direct reference does: repeats of a prompt would
+        # otherwise time the prompt cache, not the prefill (a server without the endpoint just answers 404).
+        async with session.post(url + "/reset_prefix_cache") as response:
+            await response.read()
         start = time.perf_counter()
         results = await asyncio.gather(*(run(p) for p in prompts))
         return list(results), time.perf_counter() - start
@@ -172,6 +179,7 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
         "error_examples": [r["error"] for r in results if "error" in r][:3], "output_tokens": tokens,
         "duration_s": wall_s, "throughput_tok_s": tokens / wall_s if wall_s > 0 else None,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
+        "prompt_tokens_cached": sum(r.get("cached_tokens", 0) for r in ok),
     }
     series = {"ttft": [r["ttft_s"] for r in ok], "tpot": [r["tpot_s"] for r in ok],
               "itl": [g for r in ok for g in r["itl_s"]], "e2e": [r["e2e_s"] for r in ok]}
@@ -271,6 +279,7 @@ def _direct_level(engine: Any, tokenizer: Any, prompts: Sequence[str], max_token
     from specdraft.verify.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.restore_prefixes({})  # as the servers' runs: no prompt cached by an earlier run
     start, tokens = time.perf_counter(), 0
     for prompt in prompts:
         tokens += len(engine.generate(tokenizer.prompt_ids(prompt, chat=tokenizer.has_chat_template), params).token_ids)

@@ -249,6 +249,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        """vLLM's endpoint of this name: later prompts reuse no cache entries of earlier ones (benchmarks)."""
+        _check_key(state, request)
+        done = state.ready_worker().reset_prefixes()
+        await asyncio.to_thread(done.wait)  # applied between two rounds (or at shutdown): a round away at most
+        return JSONResponse({"status": "ok"})
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _check_key(state, request)

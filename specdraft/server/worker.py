@@ -81,7 +81,7 @@ class EngineWorker:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self._commands: queue.Queue[tuple[str, Ticket | None]] = queue.Queue()
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()  # (what, its ticket or event)
         self._waiting: deque[Ticket] = deque()
         self._running: dict[int, Ticket] = {}  # engine request id -> ticket
         self._stopping = threading.Event()
@@ -99,6 +99,17 @@ class EngineWorker:
             if self._stopping.is_set():
                 raise shutting_down()
             self._commands.put(("submit", ticket))
+
+    def reset_prefixes(self) -> threading.Event:
+        """Forget every prompt's cache entries kept for reuse (`Engine.restore_prefixes({})`), between rounds;
+        the event is set once done. Later prompts compute their whole prompt again (a benchmark repeating
+        its prompts would otherwise time the cache, not the prefill)."""
+        done = threading.Event()
+        with self._gate:
+            if self._stopping.is_set():
+                raise shutting_down()
+            self._commands.put(("reset_prefixes", done))
+        return done
 
     def cancel(self, ticket: Ticket) -> None:
         """The client is gone (or the handler failed): free the ticket's slot; a no-op once it finished."""
@@ -137,6 +148,9 @@ class EngineWorker:
                 self._accept(ticket)
             elif command == "cancel":
                 self._abort(ticket)
+            elif command == "reset_prefixes":
+                self.engine.restore_prefixes({})
+                ticket.set()
             try:
                 command, ticket = self._commands.get_nowait()
             except queue.Empty:
@@ -227,6 +241,8 @@ class EngineWorker:
             command, ticket = self._commands.get_nowait()
             if command == "submit":
                 pending.append(ticket)
+            elif command == "reset_prefixes":
+                ticket.set()
         for ticket in [*self._running.values(), *self._waiting, *pending]:
             if not ticket.done:
                 self._abort(ticket)
