@@ -345,6 +345,25 @@ def test_batch_depth_chooser_turns_drafts_off_where_the_batch_loses_by_them():
     assert set(picks[2][150:]) == {1, 2, 4}  # only the best cap's neighbours are re-measured
 
 
+def test_batch_depth_chooser_keeps_the_cheaper_cap_unless_a_costlier_one_wins_by_its_margin():
+    """A cap that measures a few percent faster than plain (noise on a shared VM, or a gain not worth its
+    risk) does not take over, and is re-measured ever more rarely; one that wins by more than the margin
+    does take over."""
+    def picks_with(gain: float) -> list[int]:
+        chooser = BatchDepthChooser(4, window=4, explore_every=8, max_wait=64)
+        picks = []
+        for _ in range(300):
+            cap = chooser.choose(8)
+            picks.append(cap)
+            chooser.update(8, cap, 8 * (1 + gain * min(cap, 1)), 0.02)  # cap 1 and above: `gain` more tokens
+        return picks
+
+    small = picks_with(0.03)
+    assert small[:2] == [0, 1] and small[100:].count(1) <= 3 and set(small) == {0, 1}
+    large = picks_with(0.10)
+    assert large[150:].count(0) < large[150:].count(1)  # cap 1 wins (2 and 4 gain no more: not taken)
+
+
 @needs_kernels
 def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
     """With adaptation on, a batch's depth cap and each request's own controller change the drafts of every

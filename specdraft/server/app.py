@@ -44,6 +44,7 @@ from specdraft.server.protocol import (
 from specdraft.server.worker import EngineWorker, Event, Ticket
 
 log = logging.getLogger("specdraft.server")
+RESET_TIMEOUT_S = 60.0  # a round takes milliseconds; a stuck engine thread must not hang the request
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
 
@@ -254,7 +255,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """vLLM's endpoint of this name: later prompts reuse no cache entries of earlier ones (benchmarks)."""
         _check_key(state, request)
         done = state.ready_worker().reset_prefixes()
-        await asyncio.to_thread(done.wait)  # applied between two rounds (or at shutdown): a round away at most
+        # applied between two rounds (or at shutdown): a round away at most
+        if not await asyncio.to_thread(done.wait, RESET_TIMEOUT_S):
+            raise APIError(503, "the engine did not get to the reset", "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
