@@ -140,19 +140,19 @@ class EngineWorker:
 
     def _apply_commands(self, block: bool) -> None:
         try:
-            command, ticket = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            command, item = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
             if command == "submit":
-                self._accept(ticket)
+                self._accept(item)
             elif command == "cancel":
-                self._abort(ticket)
+                self._abort(item)
             elif command == "reset_prefixes":
                 self.engine.restore_prefixes({})
-                ticket.set()
+                item.set()
             try:
-                command, ticket = self._commands.get_nowait()
+                command, item = self._commands.get_nowait()
             except queue.Empty:
                 return
 
@@ -238,11 +238,11 @@ class EngineWorker:
     def _shutdown(self) -> None:
         pending = []
         while not self._commands.empty():
-            command, ticket = self._commands.get_nowait()
+            command, item = self._commands.get_nowait()
             if command == "submit":
-                pending.append(ticket)
+                pending.append(item)
             elif command == "reset_prefixes":
-                ticket.set()
+                item.set()
         for ticket in [*self._running.values(), *self._waiting, *pending]:
             if not ticket.done:
                 self._abort(ticket)
