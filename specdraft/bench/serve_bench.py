@@ -1,9 +1,10 @@
 """`specdraft bench-serve`: the OpenAI server under load, with speculation off and on.
 
 For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
-the suite's first turns (greedy, `ignore_eos` so every answer is `--max-tokens` long), against the same model
-served twice in this process: plain decoding and the drafter. Levels run interleaved (plain, then speculative,
-per level, `--repeats` times, each row the run of median throughput) so machine noise hits both alike. At
+the same requests (the suite's first turns, 2 x the highest level by default; greedy, `ignore_eos` so every
+answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Levels
+run interleaved (plain, then speculative, per level, `--repeats` times, each row the run of median throughput)
+so machine noise hits both alike. At
 concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does),
 alternated with the plain server streamed and not, so the server's own cost is measured in the same run.
 Every run starts with no prompt cached (`POST /reset_prefix_cache`; the direct engine's `restore_prefixes`):
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default=None, help="Spec-Bench style JSONL (default: the bundled mini suite)")
     parser.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8, 16])
     parser.add_argument("--requests", type=arg_int_in(1), default=None,
-                        help="requests per level (default: 2 x concurrency, at least 8)")
+                        help="requests per level, the same prompts at every level (default: 2 x the highest "
+                             "concurrency, at least 8)")
     parser.add_argument("--max-tokens", type=arg_int_in(1), default=64)
     parser.add_argument("--repeats", type=arg_int_in(1), default=1,
                         help="runs of each level and mode, alternated; the row is the run of median throughput")
@@ -312,9 +314,11 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     with stack:
         for url in urls.values():  # warm-up: kernels, caches, the first prefill, the client process
             clients.submit(_run_level_sync, url, args.model, prompts_all[:1], 1, 4, args.api_key).result()
+        # The same requests at every level, so that a level's throughput against another's compares the same
+        # work (with 2 x its own concurrency, one client read 8 short prompts and 8 clients 16 with longer ones).
+        count = args.requests or max(8, 2 * max(levels))
+        prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]
         for concurrency in levels:
-            count = args.requests or max(8, 2 * concurrency)
-            prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in urls}
             for _ in range(args.repeats):  # modes alternated, so machine noise hits each alike
                 for mode, url in urls.items():
@@ -327,7 +331,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             if concurrency == 1 and direct is not None:
                 overhead = _server_overhead(clients, urls["plain"], direct, prompts, args, rows)
     out = {"header": {**header(), "model": args.model},
-           "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": args.requests,
+           "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": count,
                       "repeats": args.repeats,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
                       "suite": args.suite or "bundled mini suite", "url": args.url},
