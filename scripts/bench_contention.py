@@ -43,7 +43,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {args.steps} steps")
 
     def report(label: str, governor: ThreadGovernor, steps: int) -> None:
-        model.fused.governor = governor
+        model.fused.governors[1] = governor  # single-row forwards' (`governor_for(1)`)
         ms, single = decode(model, steps)
         print(f"{label:<24} {ms:6.1f} ms/forward ({single} single-threaded)")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from serve_cpu import cpu_seconds  # noqa: E402  (scripts/, on the path as this script's folder)
 from test_cpu_kernels import kernel_model  # noqa: E402
 from test_server import CharHF, SlowEngine, make_engine  # noqa: E402
 
@@ -29,9 +30,8 @@ from specdraft.server import create_app, serve_in_thread  # noqa: E402
 
 
 def cpu_s(stat: str, system: bool = False) -> float:
-    """User + system seconds from a /proc .../stat file (system alone with `system`)."""
-    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[12]) + (0 if system else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
+    """User + system seconds (system alone with `system`) of the /proc/.../stat file at `stat`."""
+    return cpu_seconds(Path(stat).read_text(), system)
 
 
 def main() -> None:

@@ -25,6 +25,12 @@ from specdraft.bench.suite import load_suite
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(stat: str, system: bool = False) -> float:
+    """User + system seconds (system alone with `system`) from the text of a /proc/.../stat file."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[12]) + (0 if system else int(fields[11]))) / TICK
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """Seconds of CPU (user + system) per thread of process `pid`, keyed by name and thread id."""
     out: dict[str, float] = defaultdict(float)
@@ -33,9 +39,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
             stat = (task / "stat").read_text()
         except OSError:
             continue
-        name = f"{stat[stat.index('(') + 1:stat.rindex(')')]} {task.name}"
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] += (int(fields[11]) + int(fields[12])) / TICK
+        out[f"{stat[stat.index('(') + 1:stat.rindex(')')]} {task.name}"] += cpu_seconds(stat)
     return out
 
 
