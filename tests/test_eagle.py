@@ -153,6 +153,39 @@ def test_greedy_identity_batch_of_three(dtype, tree):
     assert spec.totals.drafted > 0 and spec.totals.accepted > 0
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("tree", [0, 8])
+def test_quantized_heads_stay_lossless(weights, tree):
+    """`weights` int8 / int4 quantize the head's linear layers for drafting (less memory read a step): the
+    output stays the target's, and the quantized head's drafts are still accepted."""
+    from specdraft.runtime.quant import Int4Linear, Int8Linear, quant_supported
+
+    if not quant_supported(int(weights[3:])):
+        pytest.skip(f"this torch build lacks the {weights} weight-only CPU kernel")
+    target = tiny_model(seed=0, vocab=VOCAB, layers=4, dtype=torch.bfloat16)
+    drafter = EagleDrafter(random_head(target), target, max_len=256, max_batch=3, weights=weights)
+    kind = Int8Linear if weights == "int8" else Int4Linear
+    assert drafter.head.quantized and drafter.weights == weights
+    assert all(isinstance(m, kind) for m in (drafter.head.fc, drafter.head.attn.wqkv, drafter.head.lm_head))
+    plain, spec = engine(target), engine(target, drafter, k=4, tree=tree, max_batch=3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = [plain.generate(p, params).token_ids for p in PROMPTS]
+    assert [r.token_ids for r in spec.generate_many(PROMPTS, [params] * 3)] == expected
+    assert spec.totals.drafted > 0 and spec.totals.accepted > 0
+    with pytest.raises(SpecdraftError, match="quantized"):
+        drafter.head.vllm_state_dict()
+
+
+def test_head_weights_option(target, tmp_path):
+    random_head(target).save(tmp_path)
+    drafter = make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB))
+    assert not drafter.head.quantized and drafter.weights == "float"  # the default: the head as trained
+    with pytest.raises(SpecdraftError, match="choose from"):
+        make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), options={"weights": "int3"})
+    with pytest.raises(SpecdraftError, match="unknown option"):
+        make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), options={"bits": 8})
+
+
 def test_greedy_identity_through_fallback_rounds(target):
     """With adaptation the engine stops drafting for a while (rounds that only `observe` the pending
     token's features) and probes again later: the head's features must stay in step with the context."""

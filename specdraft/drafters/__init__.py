@@ -30,9 +30,9 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
     A draft model with another tokenizer drafts through text (cross_tokenizer.py).
 
     options: drafter-specific keyword options (ngram: max_n, min_n, max_occurrences; recycle: max_n,
-    max_occurrences, target_topk; suffix: ngram's and the shared
-    cache's max_tokens, cache_min_n, cache_max_n; model drafters:
-    min_confidence; quant: group_size; hybrid: min_match and B's). Unknown options are an error.
+    max_occurrences, target_topk; suffix: ngram's and the shared cache's max_tokens, cache_min_n,
+    cache_max_n; model drafters: min_confidence; quant: group_size; eagle: weights (float, int8,
+    int4); hybrid: min_match and B's). Unknown options are an error.
     """
     options = dict(options or {})
     if not isinstance(spec, str) or not spec.strip():
@@ -110,9 +110,9 @@ def make_drafter(spec: str, target: Transformer, target_tokenizer: Tokenizer, ma
         from specdraft.drafters.eagle import make_eagle_drafter
         from specdraft.drafters.shipped import require_shipped_head
 
-        take(set())
         path = arg or str(require_shipped_head("eagle", target))
-        return make_eagle_drafter(path, target, max_len=max_len, max_batch=max_batch, name=spec)
+        return make_eagle_drafter(path, target, max_len=max_len, max_batch=max_batch, name=spec,
+                                  **take({"weights"}))
     if kind == "medusa":
         from specdraft.drafters.medusa import make_medusa_drafter
         from specdraft.drafters.shipped import require_shipped_head

@@ -39,11 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.tree_growth import TREE_BEAM, TreeNode, add_children, best_tree, level_block, next_frontier
 from specdraft.errors import SpecdraftError
+from specdraft.runtime import cpu_kernels
 from specdraft.runtime.config import ModelConfig
 from specdraft.runtime.kv_cache import KEY_BLOCK, KVCache
 from specdraft.runtime.model import (
@@ -251,10 +253,18 @@ class EagleHead(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of its activations (a drafter's quantized head keeps int8 / int4 linears)."""
+        return self.norm.weight.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return not isinstance(self.lm_head, nn.Linear)
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under EAGLE-3's names (q/k/v and gate/up split), as vLLM loads them."""
+        if self.quantized:
+            raise SpecdraftError("this EAGLE head's linear layers were quantized for drafting; save or export "
+                                 "the head as loaded from its checkpoint")
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         wq, wk, wv = self.attn.wqkv.weight.split([q, kv, kv])
@@ -421,41 +431,38 @@ class EagleHead(nn.Module):
             mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))[:, None, :, None]
         else:
             mask = attention_masks(self.config, starts, positions, tree_mask, key_len, branch_mask)["full"]
-        rows = torch.tensor(slots, device=device)[:, None]
-        index = (rows, torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device))
         hidden = hidden.to(self.dtype)
         attn_out = self._attend(self._inputs(embeds.to(self.dtype), hidden), self._rope_cached(positions), cache,
-                                tuple(slots), index, key_len, mask)
+                                slots, starts, key_len, mask)
         return self._finish(attn_out, hidden, logit_rows)
 
     def _attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                slots: tuple[int, ...], index: tuple[torch.Tensor, torch.Tensor], key_len: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """The layer's attention over its cache, with the products in fp32 (the cache's dtype): the runtime's
-        attention multiplies in the model's dtype, and torch's bf16 products on CPUs without native bf16 cost
-        about 10 ms each whatever their size, several times a whole draft step. Projections stay in the head's
-        dtype (the fused kernels' bf16 linears). Drafts need no bit-exactness, only the same math."""
+                slots: list[int], starts: list[int], key_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer's attention over its cache (new keys written at each slot's `starts`), with the products
+        in fp32 (the cache's dtype): the runtime's attention multiplies in the model's dtype, and torch's
+        bf16 products on CPUs without native bf16 cost about 10 ms each whatever their size, several times a
+        whole draft step. Projections stay in the head's dtype (the fused kernels' linears). Drafts need no
+        bit-exactness, only the same math. mask: additive [B, 1, T, 1, key_len] (`attention_masks`), or None
+        for queries that see every key read."""
         attn = self.attn
         B, T, _ = x.shape
         H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         qkv = attn.wqkv(x).view(B, T, H + 2 * Hkv, D)
-        qk = apply_rope(qkv[:, :, :H + Hkv], *rope)
-        cache.k[0].transpose(1, 2)[index] = qk[:, :, H:].to(cache.k[0].dtype)
-        cache.v[0].transpose(1, 2)[index] = qkv[:, :, H + Hkv:].to(cache.v[0].dtype)
+        qk = apply_rope(qkv[:, :, :H + Hkv], *rope).float()
+        new_values = qkv[:, :, H + Hkv:].float()
+        k_cache, v_cache = cache.k[0], cache.v[0]
+        for b, (slot, start) in enumerate(zip(slots, starts)):
+            k_cache[slot, :, start:start + T] = qk[b, :, H:].transpose(0, 1)
+            v_cache[slot, :, start:start + T] = new_values[b].transpose(0, 1)
         first = slots[0]
-        if list(slots) == list(range(first, first + B)):  # contiguous slots: views, no copy
-            keys, values = cache.k[0][first:first + B, :, :key_len], cache.v[0][first:first + B, :, :key_len]
+        if slots == list(range(first, first + B)):  # contiguous slots: views, no copy
+            keys, values = k_cache[first:first + B, :, :key_len], v_cache[first:first + B, :, :key_len]
         else:
-            keys, values = cache.k[0][list(slots), :, :key_len], cache.v[0][list(slots), :, :key_len]
-        keys, values = keys.float(), values.float()
-        G = H // Hkv
-        q = qk[:, :, :H].float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
-        scores = (q @ keys.transpose(-1, -2)).view(B, Hkv, T, G, key_len) * self.config.attn_scale
-        if mask is not None:  # None: a single query that sees every key read
-            scores = scores + mask
-        probs = torch.softmax(scores, dim=-1).view(B, Hkv, T * G, key_len)
-        out = (probs @ values).view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
-        return attn.wo(out.to(x.dtype))
+            keys, values = k_cache[slots, :, :key_len], v_cache[slots, :, :key_len]
+        out = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), keys, values,
+                                             attn_mask=None if mask is None else mask[:, :, :, 0],
+                                             scale=self.config.attn_scale, enable_gqa=True)
+        return attn.wo(out.transpose(1, 2).reshape(B, T, H * D).to(x.dtype))
 
     def unroll(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int,
                valid: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -528,15 +535,45 @@ class _EagleState:
     known: int  # positions whose target features are known (fed + pending)
 
 
+HEAD_WEIGHTS = ("float", "int8", "int4")
+
+
+def check_head_weights(target: Transformer, weights: str) -> None:
+    """What a drafter keeps the head's linear layers in: `float` (the target's dtype, as trained), or int8 /
+    int4 (torch's weight-only CPU kernels). A draft step reads the whole head from memory (SmolLM2's: 20 MB
+    in bf16), so fewer bytes make a cheaper step, but the drafts change a little. Measured on Sapphire Rapids
+    (stop 41, `scripts/ab_eagle_weights.py`), dev suite: one chain step costs 0.111 / 0.099 / 0.080 of a
+    bf16 target step for about the same tokens per forward (1.46 / 1.46 / 1.45); trees of 8 at a fixed
+    depth accept a little less (1.73 / 1.70 / 1.68), and end to end (adaptive trees) the three are within
+    this VM's noise of each other (1.076x / 1.071x / 1.086x plain in one run, 1.074x / 1.045x / 1.065x in
+    another). With nothing measurable to gain, drafts stay as trained by default. Verification keeps the
+    output the target's whatever the head's weights."""
+    from specdraft.runtime.quant import quant_supported
+
+    if weights not in HEAD_WEIGHTS:
+        raise SpecdraftError(f"EAGLE head weights {weights!r}: choose from {', '.join(HEAD_WEIGHTS)}")
+    if weights != "float" and not (target.device.type == "cpu" and quant_supported(int(weights[3:]))):
+        raise SpecdraftError(f"EAGLE head weights {weights!r} need torch's {weights} weight-only CPU kernel "
+                             "and a target on CPU; use weights float")
+
+
 class EagleDrafter:
     """Drafts with an EAGLE-3 head on the target's features (see the module docstring). The head is moved
-    to the target's device and dtype in place."""
+    to the target's device and dtype in place, and its linear layers quantized in place for `weights` int8 /
+    int4 (`check_head_weights`)."""
 
     def __init__(self, head: EagleHead, target: Transformer, name: str = "eagle", max_len: int = 4096,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, weights: str = "float") -> None:
+        from specdraft.runtime.quant import quantize_linears
+
         head.check_target(target)
+        check_head_weights(target, weights)
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         self.head.requires_grad_(False)
+        if weights in ("int8", "int4"):
+            # group 64 divides the hidden sizes of the models here (576, 640); int8 ignores it
+            quantize_linears(self.head, int(weights[3:]), group_size=64)
+        self.weights = weights
         self.target = target
         self.name = name
         self.layers = head.eagle.hidden_layers
@@ -666,6 +703,10 @@ class EagleDrafter:
         """Per row of draft-vocabulary `logits`: (target token id, its draft distribution over the target
         vocabulary, or None when greedy)."""
         head = self.head
+        if (all(s.params.greedy for s in states) and logits.device.type == "cpu"
+                and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()):
+            # the kernels' one-call argmax: torch's reduction ops cost about 0.07 ms a pick here, 5-7% of a step
+            return head.draft_to_target[cpu_kernels.argmax_rows(logits)].tolist(), [None] * len(states)
         draft_ids, dists = sample_rows(logits, [s.params for s in states], [s.generator for s in states])
         fulls: list[torch.Tensor | None] = []
         for probs in dists:
@@ -745,11 +786,12 @@ class EagleDrafter:
 
 
 def make_eagle_drafter(path: str, target: Transformer, max_len: int = 4096, max_batch: int = 1,
-                       name: str | None = None) -> EagleDrafter:
+                       name: str | None = None, weights: str = "float") -> EagleDrafter:
     head = EagleHead.load(path, dtype=target.dtype, device=target.device)
-    return EagleDrafter(head, target, name=name or f"eagle:{path}", max_len=max_len, max_batch=max_batch)
+    return EagleDrafter(head, target, name=name or f"eagle:{path}", max_len=max_len, max_batch=max_batch,
+                        weights=weights)
 
 
-__all__ = ["EagleConfig", "EagleDrafter", "EagleHead", "aux_features", "default_aux_layer_ids",
-           "make_eagle_drafter"]
+__all__ = ["HEAD_WEIGHTS", "EagleConfig", "EagleDrafter", "EagleHead", "aux_features", "default_aux_layer_ids",
+           "check_head_weights", "make_eagle_drafter"]
 
