@@ -93,6 +93,56 @@ def test_unroll_matches_drafting_with_a_cache(target):
             torch.testing.assert_close(logits[0, 0], unrolled[s][0, m], atol=1e-4, rtol=1e-4)
 
 
+def test_a_tree_block_scores_each_node_as_its_own_chain_would(target):
+    """A tree block (nodes at their depths, each seeing the committed context and its ancestors) gives every
+    node the logits and hidden state that stepping its own branch as a chain gives, in a batch of two slots
+    with different committed lengths: the tree-masked attention against the one-query path."""
+    from specdraft.runtime.kv_cache import KVCache
+
+    head = random_head(target).float()
+    cfg = head.config
+    dim = cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    context = [torch.randn(1, n, dim, generator=g) for n in (5, 9)]  # fused features of two requests
+    context_tokens = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (5, 9)]
+    # nodes: 0 and 1 children of the root, 2 a child of 0, 3 a child of 2
+    parents = [-1, -1, 0, 2]
+    depth = [0, 0, 1, 2]
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=g)
+    hidden = torch.randn(2, 4, dim, generator=g)
+    tree_mask = torch.eye(4, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        while parent >= 0:
+            tree_mask[node, parent] = True
+            parent = parents[parent]
+
+    def cache_with_contexts() -> KVCache:
+        cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, 64, 2, torch.float32)
+        for slot in (0, 1):
+            head.step(target.embed_tokens(context_tokens[slot]), context[slot], cache, [slot])
+            cache.commit(slot, context[slot].shape[1])
+        return cache
+
+    with torch.no_grad():
+        cache = cache_with_contexts()
+        starts = torch.tensor([[5], [9]])
+        positions = starts + torch.tensor(depth)[None, :]
+        tree_logits, tree_hidden = head.step(target.embed_tokens(tokens), hidden, cache, [0, 1], positions=positions,
+                                             tree_mask=tree_mask[None].expand(2, 4, 4))
+        for slot in (0, 1):
+            for node in range(4):
+                branch = [node]
+                while parents[branch[0]] >= 0:
+                    branch.insert(0, parents[branch[0]])
+                chain = cache_with_contexts()
+                for n in branch:
+                    logits, out = head.step(target.embed_tokens(tokens[slot:slot + 1, n:n + 1]),
+                                            hidden[slot:slot + 1, n:n + 1], chain, [slot])
+                    chain.commit(slot, chain.length(slot) + 1)
+                torch.testing.assert_close(tree_logits[slot, node], logits[0, 0], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(tree_hidden[slot, node], out[0, 0], atol=1e-4, rtol=1e-4)
+
+
 def _proposals(drafter, target, greedy: bool, tree: int):
     """Proposals for two requests after their prefill, as the engine would hand them over."""
     eng = engine(target)
