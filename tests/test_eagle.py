@@ -232,6 +232,8 @@ def test_head_weights_option(target, tmp_path):
     assert not drafter.head.quantized and drafter.weights == "float"  # the default: the head as trained
     with pytest.raises(SpecdraftError, match="choose from"):
         make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), options={"weights": "int3"})
+    with pytest.raises(SpecdraftError, match="choose from"):
+        make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), options={"weights": ["int8"]})
     with pytest.raises(SpecdraftError, match="unknown option"):
         make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), options={"bits": 8})
 

@@ -535,7 +535,7 @@ class _EagleState:
     known: int  # positions whose target features are known (fed + pending)
 
 
-HEAD_WEIGHTS = ("float", "int8", "int4")
+HEAD_WEIGHTS = {"float": 0, "int8": 8, "int4": 4}  # the drafter option -> bits of the quantized linears
 
 
 def check_head_weights(target: Transformer, weights: str) -> None:
@@ -550,9 +550,10 @@ def check_head_weights(target: Transformer, weights: str) -> None:
     output the target's whatever the head's weights."""
     from specdraft.runtime.quant import quant_supported
 
-    if weights not in HEAD_WEIGHTS:
+    if not isinstance(weights, str) or weights not in HEAD_WEIGHTS:
         raise SpecdraftError(f"EAGLE head weights {weights!r}: choose from {', '.join(HEAD_WEIGHTS)}")
-    if weights != "float" and not (target.device.type == "cpu" and quant_supported(int(weights[3:]))):
+    bits = HEAD_WEIGHTS[weights]
+    if bits and not (target.device.type == "cpu" and quant_supported(bits)):
         raise SpecdraftError(f"EAGLE head weights {weights!r} need torch's {weights} weight-only CPU kernel "
                              "and a target on CPU; use weights float")
 
@@ -570,9 +571,9 @@ class EagleDrafter:
         check_head_weights(target, weights)
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         self.head.requires_grad_(False)
-        if weights in ("int8", "int4"):
+        if HEAD_WEIGHTS[weights]:
             # group 64 divides the hidden sizes of the models here (576, 640); int8 ignores it
-            quantize_linears(self.head, int(weights[3:]), group_size=64)
+            quantize_linears(self.head, HEAD_WEIGHTS[weights], group_size=64)
         self.weights = weights
         self.target = target
         self.name = name
@@ -703,8 +704,7 @@ class EagleDrafter:
         """Per row of draft-vocabulary `logits`: (target token id, its draft distribution over the target
         vocabulary, or None when greedy)."""
         head = self.head
-        if (all(s.params.greedy for s in states) and logits.device.type == "cpu"
-                and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()):
+        if all(s.params.greedy for s in states) and cpu_kernels.reduces(logits):
             # the kernels' one-call argmax: torch's reduction ops cost about 0.07 ms a pick here, 5-7% of a step
             return head.draft_to_target[cpu_kernels.argmax_rows(logits)].tolist(), [None] * len(states)
         draft_ids, dists = sample_rows(logits, [s.params for s in states], [s.generator for s in states])

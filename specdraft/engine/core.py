@@ -534,20 +534,16 @@ class Engine:
 def _target_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1): the kernels' one call on CPU where they are built, else verify's reduction (after a
     forward pass torch's few ops per row cost about 0.1 ms a round on CPU: the pass evicted their caches)."""
-    if _kernels_reduce(logits):
+    if cpu_kernels.reduces(logits):
         return cpu_kernels.argmax_rows(logits)
     return argmax(logits)
 
 
 def _target_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of the k best logits of every row (as `topk_indices`), in one kernel call where built."""
-    if _kernels_reduce(logits) and k <= min(logits.shape[-1], cpu_kernels.TOPK_MAX):
+    if cpu_kernels.reduces(logits) and k <= min(logits.shape[-1], cpu_kernels.TOPK_MAX):
         return cpu_kernels.topk_rows(logits, k)
     return topk_indices(logits, k)
-
-
-def _kernels_reduce(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available()
 
 
 def _tree_layout(proposals: Sequence[Proposal], starts: Sequence[int],

@@ -451,6 +451,11 @@ def dequant_q(packed: torch.Tensor, fmt: int, in_features: int, threads: int,
     return out
 
 
+def reduces(logits: torch.Tensor) -> bool:
+    """Whether `argmax_rows` / `topk_rows` take these logits: bf16 or fp32 on CPU, with the kernels built."""
+    return logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and available()
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first maximum, a NaN counting as the maximum) of bf16 or fp32 CPU logits [..., V]
     in one call: after a forward pass torch's few reduction ops per row cost about 90 us a decoded token."""
