@@ -24,7 +24,7 @@ from serve_cpu import cpu_seconds  # noqa: E402  (scripts/, on the path as this 
 from test_cpu_kernels import kernel_model  # noqa: E402
 from test_server import CharHF, SlowEngine, make_engine  # noqa: E402
 
-from specdraft.bench.serve_bench import _run_level_sync  # noqa: E402
+from specdraft.bench.serve_bench import _run_level  # noqa: E402
 from specdraft.runtime.tokenizer import Tokenizer  # noqa: E402
 from specdraft.server import create_app, serve_in_thread  # noqa: E402
 
@@ -40,9 +40,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--round-ms", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=1, help="clients at once (the engine batches them)")
     args = parser.parse_args()
     tokenizer = Tokenizer(CharHF())
-    engine = SlowEngine(make_engine(kernel_model("llama"), tokenizer, max_batch=1, drafter=False),
+    engine = SlowEngine(make_engine(kernel_model("llama"), tokenizer, max_batch=args.concurrency, drafter=False),
                         args.round_ms / 1e3)
     prompts = ["abcabcabd"] * args.requests
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -53,13 +54,13 @@ def main() -> None:
                    "engine": f"/proc/self/task/{threads['specdraft-engine']}/stat",
                    "client": f"/proc/{client_pid}/stat"}
         watched = {**watched, **{f"{name} (system)": stat for name, stat in watched.items()}}
-        clients.submit(_run_level_sync, url, "tiny", prompts[:1], 1, 4, None).result()
+        clients.submit(_run_level, url, "tiny", prompts[:1], 1, 4, None).result()
         per_token: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
             for way, stream in (("streamed", True), ("not", False)):
                 before = {n: cpu_s(stat, n.endswith("(system)")) for n, stat in watched.items()}
                 start = time.perf_counter()
-                results, _ = clients.submit(_run_level_sync, url, "tiny", prompts, 1, args.tokens, None,
+                results, _ = clients.submit(_run_level, url, "tiny", prompts, args.concurrency, args.tokens, None,
                                             stream).result()
                 wall = time.perf_counter() - start
                 tokens = sum(r["tokens"] for r in results)
@@ -68,8 +69,8 @@ def main() -> None:
                                                                    / tokens * 1e3)
                 per_token.setdefault(("wall", way), []).append(wall / tokens * 1e3)
     clients.shutdown()
-    print(f"ms per token, medians of {args.rounds} rounds of {args.requests} x {args.tokens} tokens, rounds of "
-          f"{args.round_ms} ms asleep")
+    print(f"ms per token, medians of {args.rounds} rounds of {args.requests} x {args.tokens} tokens, "
+          f"{args.concurrency} at a time, rounds of {args.round_ms} ms asleep")
     for name in ("uvicorn", "uvicorn (system)", "engine", "engine (system)", "client", "client (system)", "wall"):
         print(f"{name:17} streamed {statistics.median(per_token[name, 'streamed']):.3f}  "
               f"not {statistics.median(per_token[name, 'not']):.3f}")

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from specdraft.bench.serve_bench import _run_level_sync, _serve_process
+from specdraft.bench.serve_bench import _run_level, _serve_process
 from specdraft.bench.suite import load_suite
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -67,14 +67,14 @@ def main() -> None:
     prompts = [q.turns[0] for q in load_suite(args.suite)][:args.requests]
     with _serve_process(serve_args, 1, None) as url:
         pid = server_pid(url.rsplit(":", 1)[1])
-        _run_level_sync(url, args.model, prompts[:1], 1, 4, None)  # warm-up
+        _run_level(url, args.model, prompts[:1], 1, 4, None)  # warm-up
         per_token: dict[str, dict[str, list[float]]] = {"stream": defaultdict(list), "whole": defaultdict(list)}
         walls: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.rounds):
             for way, stream in (("stream", True), ("whole", False)):
                 before, client_before = thread_cpu(pid), resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
-                results, _ = _run_level_sync(url, args.model, prompts, 1, args.max_tokens, None, stream)
+                results, _ = _run_level(url, args.model, prompts, 1, args.max_tokens, None, stream)
                 walls[way].append(time.perf_counter() - start)
                 after, client_after = thread_cpu(pid), resource.getrusage(resource.RUSAGE_SELF)
                 tokens = sum(r["tokens"] for r in results)

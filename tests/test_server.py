@@ -455,6 +455,27 @@ def test_only_streaming_tickets_get_an_event_per_round(target, tokenizer):
     assert "".join(e.text for e in streamed) == quiet[-1].result.text == streamed[-1].result.text
 
 
+def test_a_streamed_text_event_is_the_chunk_serialized_in_full():
+    """`Reply.text_event` fills a serialized template: the same characters as serializing the whole chunk,
+    for chat and text completions, with and without the usage field, whatever the text holds."""
+    import json
+
+    from specdraft.server.app import Reply, _sse_line
+
+    # a round's text (never empty)
+    texts = [" hello", 'a "quoted" \\ back', "two\nlines\r", "caf\u00e9 \u2028 \U0001f600", "\0", "}]{"]
+    for chat in (True, False):
+        reply = Reply(NAME, chat, 7)
+        for with_usage in (True, False):
+            for text in texts:
+                event = reply.text_event(text, with_usage)
+                assert event == _sse_line(reply.chunk(text, with_usage=with_usage))
+                assert event.startswith("data: ") and event.endswith("\n\n") and event.count("\n") == 2
+                body = json.loads(event[6:])
+                assert (body["choices"][0]["delta"].get("content", "") if chat else body["choices"][0]["text"]) == text
+                assert ("usage" in body) == with_usage
+
+
 def test_shutdown_ends_requests_in_flight_at_once(target, tokenizer):
     """Stopping the server ends a long stream with an error event and [DONE] (not a cut connection after the
     grace period) and a waiting non-streaming request with a 503; every slot is free afterwards."""
@@ -495,36 +516,41 @@ def test_serve_command_exits_with_a_message_when_the_model_cannot_load(capsys):
     assert "could not load the model" in capsys.readouterr().err
 
 
-def test_bench_serve_client_measures_a_live_server(server):
+def test_bench_serve_client_measures_a_live_server(server, monkeypatch):
     """`bench-serve`'s load generator and statistics, against the tiny server (no model load)."""
-    import asyncio
-
+    from specdraft.bench import serve_bench
     from specdraft.bench.serve_bench import _percentile, _run_level, summarize
 
     url, _ = server
-    results, wall = asyncio.run(_run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None))
+    results, wall = _run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None)
     row = summarize("ngram", 2, results, wall)
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
+    # Events split over reads (7 bytes at a time) are put back together: the same tokens and events.
+    monkeypatch.setattr(serve_bench, "READ_SIZE", 7)
+    split, _ = _run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None)
+    assert [r["tokens"] for r in split] == [r["tokens"] for r in results] == [6, 6, 6]
+    assert [len(r["itl_s"]) for r in split] == [len(r["itl_s"]) for r in results]
+    monkeypatch.undo()
     # Every run starts with no prompt cached (`/reset_prefix_cache`): a repeat times the prefill again.
     for _ in range(2):
-        results, wall = asyncio.run(_run_level(url, NAME, ["abcabcabcabc"], 1, 6, None))
+        results, wall = _run_level(url, NAME, ["abcabcabcabc"], 1, 6, None)
         assert summarize("ngram", 1, results, wall)["prompt_tokens_cached"] == 0
     # Not streamed (the server's cost against LLM.generate): the same tokens, no per-token timings.
-    quiet, _ = asyncio.run(_run_level(url, NAME, ["abc", "hello"], 1, 6, None, stream=False))
+    quiet, _ = _run_level(url, NAME, ["abc", "hello"], 1, 6, None, stream=False)
     assert [r["tokens"] for r in quiet] == [6, 6] and all(r["ttft_s"] is None for r in quiet)
-    # A server that answers with an error is counted, not crashed on.
-    failed, _ = asyncio.run(_run_level(url, "no-such-model", ["abc"], 1, 6, None))
+    # A server that answers with an error is counted, not crashed on; the connection goes on serving.
+    failed, _ = _run_level(url, "no-such-model", ["abc"], 1, 6, None)
     assert failed[0]["error"].startswith("HTTP 404")
+    mixed, _ = _run_level(url, NAME, ["abc", "abc"], 1, 4, None, stream=True)
+    assert [r["tokens"] for r in mixed] == [4, 4]
     # bench-serve runs its clients in a worker process, out of the server's GIL
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from specdraft.bench.serve_bench import _run_level_sync
-
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results, _ = pool.submit(_run_level_sync, url, NAME, ["abc"], 1, 4, None).result()
+        results, _ = pool.submit(_run_level, url, NAME, ["abc"], 1, 4, None).result()
     assert [r["tokens"] for r in results] == [4]
 
 
@@ -535,6 +561,17 @@ def test_bench_serve_rows_are_the_median_of_alternated_repeats():
     assert median_run(runs) == {"mode": "plain", "throughput_tok_s": 200.0, "throughput_runs": [300.0, 100.0, 200.0]}
     assert median_run(runs[:2])["throughput_tok_s"] == 100.0  # the slower middle run of an even count
     assert median_run(runs[:1]) == runs[0]
+
+
+def test_bench_serve_scaling_is_the_median_of_each_passes_ratio():
+    from specdraft.bench.serve_bench import _scaling
+
+    tput = {(1, "plain"): [100.0, 200.0, 150.0], (8, "plain"): [300.0, 560.0, 480.0],
+            (1, "ngram"): [100.0, 100.0, 100.0], (8, "ngram"): [250.0, 350.0, 300.0]}
+    runs = {key: [{"throughput_tok_s": v} for v in values] for key, values in tput.items()}
+    # ratios per pass 3.0 / 2.8 / 3.2 (not 480 / 150 = 3.2 from the medians' ratio)
+    assert _scaling(runs, [1, 8], ["plain", "ngram"]) == {"plain": {8: 3.0}, "ngram": {8: 3.0}}
+    assert _scaling(runs, [8], ["plain"]) == {}
 
 
 def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):

