@@ -518,10 +518,18 @@ def test_serve_command_exits_with_a_message_when_the_model_cannot_load(capsys):
 
 def test_bench_serve_client_measures_a_live_server(server, monkeypatch):
     """`bench-serve`'s load generator and statistics, against the tiny server (no model load)."""
+    import socket
+
     from specdraft.bench import serve_bench
-    from specdraft.bench.serve_bench import _percentile, _run_level, summarize
+    from specdraft.bench.serve_bench import _health_status, _percentile, _run_level, summarize
 
     url, _ = server
+    # How `bench-serve` waits for the servers it starts: 200 once up, None where nothing listens.
+    assert _health_status(url) == 200
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    assert _health_status(closed) is None
     results, wall = _run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None)
     row = summarize("ngram", 2, results, wall)
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0

@@ -234,6 +234,21 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ the servers
 
 
+def _health_status(url: str) -> int | None:
+    """The status of `GET /health` (None while nothing answers), with the clients' HTTP library."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
 @contextmanager
 def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None) -> Iterator[str]:
     """`specdraft serve` in a process of its own, as deployed; yields its base URL once /health answers.
@@ -242,8 +257,6 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
     threads of a process have run OpenMP regions libgomp manages more threads than 2 cores and throttles its
     spin-waits, so every barrier of a forward sleeps (measured: 23-25 ms per token against 14 with two servers
     hosted as threads here, or with any idle thread that had decoded before)."""
-    import httpx
-
     with socket.socket() as probe:  # a free loopback port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -261,11 +274,8 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
             if process.poll() is not None:
                 raise SpecdraftError(f"`{' '.join(command)}` exited with status {process.returncode} (its error "
                                      "is printed above)")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if _health_status(url) == 200:
+                break
             if time.monotonic() > deadline:
                 raise SpecdraftError(f"`{' '.join(command)}` did not become healthy in 15 minutes")
             time.sleep(0.5)
