@@ -520,6 +520,29 @@ def test_cli_registers_train_and_distill(capsys):
     assert "{bf16,fp32,gguf}" in out  # distill: a GGUF target may generate on its own quantized blocks
 
 
+def test_train_options_reach_the_configs():
+    """`specdraft train eagle|medusa` share their loop's options; each reaches its config field, and an
+    option left out gives the config's own default (Medusa's higher learning rate included)."""
+    import argparse
+
+    from specdraft.train.cli import _add_training_arguments, _loop_settings
+    from specdraft.train.medusa import MedusaTrainConfig
+
+    eagle, medusa = argparse.ArgumentParser(), argparse.ArgumentParser()
+    _add_training_arguments(eagle, "head", lr=3e-4)
+    _add_training_arguments(medusa, "heads", lr=1e-3)
+    base = ["--model", "m", "--data", "d", "--out", "o"]
+    args = eagle.parse_args(base + ["--steps", "7", "--batch-size", "3", "--seq-len", "64", "--lr", "0.01",
+                                    "--draft-vocab", "99", "--seed", "5", "--checkpoint-every", "2",
+                                    "--eval-every", "3"])
+    config = TrainConfig(**_loop_settings(args), ttt_steps=2)
+    assert config == TrainConfig(steps=7, batch_size=3, seq_len=64, lr=0.01, draft_vocab=99, seed=5,
+                                 checkpoint_every=2, eval_every=3, ttt_steps=2)
+    assert TrainConfig(**_loop_settings(eagle.parse_args(base))) == TrainConfig()
+    assert MedusaTrainConfig(**_loop_settings(medusa.parse_args(base))) == MedusaTrainConfig()
+    assert MedusaTrainConfig().lr == 1e-3 and TrainConfig().lr == 3e-4
+
+
 def test_aux_features_order():
     hidden = {0: torch.zeros(3, 2), 1: torch.ones(3, 2), 2: torch.full((3, 2), 2.0)}
     out = aux_features(hidden, [2, 0, 1], rows=[0, 2])

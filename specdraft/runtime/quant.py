@@ -82,6 +82,16 @@ def _check_cpu(x: Tensor) -> None:
         )
 
 
+def _output(y: Tensor, dtype: torch.dtype, bias: Tensor | None, lead: torch.Size) -> Tensor:
+    """A quantized matmul's rows [N, out] as the layer's output: the input's dtype, the bias added, the input's
+    leading shape."""
+    if y.dtype != dtype:
+        y = y.to(dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
 def _prep_input(x2: Tensor, compute_dtype: torch.dtype, pad_k: int) -> Tensor:
     """[M, K] activations -> contiguous, 32-byte aligned, compute-dtype, K-padded."""
     if x2.dtype != compute_dtype:
@@ -185,11 +195,7 @@ class Int8Linear(nn.Module):
             return y.reshape(*lead, self.out_features)
         x2 = _prep_input(x.reshape(-1, x.shape[-1]), self.compute_dtype, self.pad_k)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return _output(y, x.dtype, self.bias, lead)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -318,11 +324,7 @@ class Int4Linear(nn.Module):
                                                        self.scales_and_zeros)
         if self.pad_n:
             y = y[:, :self.out_features]
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return _output(y, x.dtype, self.bias, lead)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -34,46 +34,16 @@ def add_commands(sub) -> None:
     train = sub.add_parser("train", help="train a drafter on distilled data")
     kinds = train.add_subparsers(dest="kind", required=True)
     eagle = kinds.add_parser("eagle", help="an EAGLE-3 head (use it as --speculative-model eagle:OUT)")
-    eagle.add_argument("--model", required=True)
-    eagle.add_argument("--data", required=True, help="a `specdraft distill` output directory")
-    eagle.add_argument("--out", required=True)
-    eagle.add_argument("--steps", type=arg_int_in(1), default=1000)
+    _add_training_arguments(eagle, "head", lr=3e-4)
     eagle.add_argument("--ttt-steps", type=arg_int_in(1, 16), default=3)
-    eagle.add_argument("--draft-vocab", type=arg_int_in(1), default=None,
-                       help="draft vocabulary size (the most frequent tokens of the data; default: all)")
-    eagle.add_argument("--batch-size", type=arg_int_in(1), default=8)
-    eagle.add_argument("--seq-len", type=arg_int_in(2), default=512)
-    eagle.add_argument("--lr", type=float, default=3e-4)
-    eagle.add_argument("--seed", type=int, default=0)
-    eagle.add_argument("--checkpoint-every", type=arg_int_in(1), default=100)
-    eagle.add_argument("--eval-every", type=arg_int_in(1), default=100)
-    eagle.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
-    eagle.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     eagle.add_argument("--init", default=None, metavar="HEAD_DIR",
                        help="start from a trained head (eagle:PATH, or `eagle` for the one shipped for the target) "
                        "and train it further; its draft vocabulary stays")
-    eagle.add_argument("--device", default="cpu",
-                       help="where the target and the head train (cpu, or cuda on a GPU machine)")
     eagle.set_defaults(func=cmd_train_eagle)
 
     medusa = kinds.add_parser("medusa", help="Medusa-1 heads (use them as --speculative-model medusa:OUT)")
-    medusa.add_argument("--model", required=True)
-    medusa.add_argument("--data", required=True, help="a `specdraft distill` output directory")
-    medusa.add_argument("--out", required=True)
-    medusa.add_argument("--steps", type=arg_int_in(1), default=1000)
+    _add_training_arguments(medusa, "heads", lr=1e-3)
     medusa.add_argument("--heads", type=arg_int_in(1, 16), default=4, help="draft tokens the heads guess")
-    medusa.add_argument("--draft-vocab", type=arg_int_in(1), default=None,
-                        help="draft vocabulary size (the most frequent tokens of the data; default: all)")
-    medusa.add_argument("--batch-size", type=arg_int_in(1), default=8)
-    medusa.add_argument("--seq-len", type=arg_int_in(2), default=512)
-    medusa.add_argument("--lr", type=float, default=1e-3)
-    medusa.add_argument("--seed", type=int, default=0)
-    medusa.add_argument("--checkpoint-every", type=arg_int_in(1), default=100)
-    medusa.add_argument("--eval-every", type=arg_int_in(1), default=100)
-    medusa.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
-    medusa.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
-    medusa.add_argument("--device", default="cpu",
-                       help="where the target and the heads train (cpu, or cuda on a GPU machine)")
     medusa.set_defaults(func=cmd_train_medusa)
 
     table = kinds.add_parser("ngram-table", help="the n-gram table of the target's answers that the recycle "
@@ -87,6 +57,33 @@ def add_commands(sub) -> None:
     table.set_defaults(func=cmd_train_ngram_table)
 
 
+def _add_training_arguments(parser: argparse.ArgumentParser, what: str, lr: float) -> None:
+    """The options every head's training takes (`LoopConfig`'s settings, the data, the target)."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True, help="a `specdraft distill` output directory")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=arg_int_in(1), default=1000)
+    parser.add_argument("--draft-vocab", type=arg_int_in(1), default=None,
+                        help="draft vocabulary size (the most frequent tokens of the data; default: all)")
+    parser.add_argument("--batch-size", type=arg_int_in(1), default=8)
+    parser.add_argument("--seq-len", type=arg_int_in(2), default=512)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=arg_int_in(1), default=100)
+    parser.add_argument("--eval-every", type=arg_int_in(1), default=100)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the target's dtype")
+    parser.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    parser.add_argument("--device", default="cpu",
+                        help=f"where the target and the {what} train (cpu, or cuda on a GPU machine)")
+
+
+def _loop_settings(args: argparse.Namespace) -> dict:
+    """`LoopConfig`'s fields from the options `_add_training_arguments` made."""
+    return {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+            "draft_vocab": args.draft_vocab, "seed": args.seed, "checkpoint_every": args.checkpoint_every,
+            "eval_every": args.eval_every}
+
+
 # transformers' class for a model type, for configs converted from GGUF (which name no architecture).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -98,9 +95,7 @@ def cmd_train_medusa(args: argparse.Namespace) -> int:
     from specdraft.train.medusa import MedusaTrainConfig, train_medusa
 
     manifest = read_manifest(args.data)
-    config = MedusaTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                               heads=args.heads, draft_vocab=args.draft_vocab, seed=args.seed,
-                               checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
+    config = MedusaTrainConfig(**_loop_settings(args), heads=args.heads)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
     train, val = train_val_split(args.data, layers=_recorded(args.data, [-1]))
@@ -215,9 +210,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     from specdraft.train.eagle import TrainConfig, train_eagle
 
     manifest = read_manifest(args.data)
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                         ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, seed=args.seed,
-                         checkpoint_every=args.checkpoint_every, eval_every=args.eval_every)
+    config = TrainConfig(**_loop_settings(args), ttt_steps=args.ttt_steps)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.init is not None:
         config.init_head = _head_path(args.init, target)

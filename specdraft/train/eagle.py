@@ -39,25 +39,16 @@ from specdraft.train.features import (
     target_batch,
     training_items,
 )
-from specdraft.train.loop import draft_vocabulary, train_loop
+from specdraft.train.loop import LoopConfig, draft_vocabulary, train_loop
 
 STEP_WEIGHT = 0.8
 
 
 @dataclass
-class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 8
-    seq_len: int = 512  # sequences are cut to this many tokens
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup: int = 20
-    grad_clip: float = 0.5
+class TrainConfig(LoopConfig):
+    """An EAGLE head's training: the loop's settings and the head's own."""
+
     ttt_steps: int = 3
-    draft_vocab: int | None = None  # None: the target's whole vocabulary
-    seed: int = 0
-    checkpoint_every: int = 100
-    eval_every: int = 100
     init_from_target: bool = True  # lm_head rows and final norm from the target's; fc passes the high stream
     init_head: str | None = None  # start from this trained head (its weights and draft vocabulary) instead
 

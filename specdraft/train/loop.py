@@ -18,9 +18,8 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,6 +28,25 @@ from specdraft.errors import SpecdraftError
 CHECKPOINT = "checkpoint.pt"
 # Settings that may change between an interrupted run and its resumption.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "eval_every")
+
+
+
+@dataclass
+class LoopConfig:
+    """The settings `train_loop` reads, shared by every head's training config (which adds its own)."""
+
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 512  # sequences are cut to this many tokens
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup: int = 20
+    grad_clip: float = 0.5
+    draft_vocab: int | None = None  # None: the target's whole vocabulary
+    seed: int = 0
+    checkpoint_every: int = 100
+    eval_every: int = 100
+
 
 # One step: (weighted loss with a graph, per-draft-step losses, per-draft-step accuracies) of a batch.
 StepLosses = Callable[[list], tuple[torch.Tensor, list[float], list[float]]]
@@ -76,7 +94,7 @@ class BatchSchedule:
         return self._batches[index]
 
 
-def learning_rate(config: Any, step: int) -> float:
+def learning_rate(config: LoopConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth."""
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
@@ -84,15 +102,13 @@ def learning_rate(config: Any, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_loop(head: torch.nn.Module, config: Any, train_items: Sequence, lengths: Sequence[int],
+def train_loop(head: torch.nn.Module, config: LoopConfig, train_items: Sequence, lengths: Sequence[int],
                step_losses: StepLosses, evaluate: Callable[[], list[float]] | None, out_dir: Path,
                save: Callable[[], None], resume: bool = False, stop_after: int | None = None,
                progress: bool = True, desc: str = "train") -> dict:
     """Run (or resume) `config.steps` steps over `train_items` (their `lengths` shape the batches); returns
-    the history. `config` is a dataclass with steps,
-    batch_size, lr, weight_decay, warmup, grad_clip, seed, checkpoint_every and eval_every; `save` writes the
-    finished head into out_dir. `stop_after` ends this run after that many steps, checkpointed (an
-    interruption, for tests)."""
+    the history. `save` writes the finished head into out_dir. `stop_after` ends this run after that many
+    steps, checkpointed (an interruption, for tests)."""
     ckpt_path = out_dir / CHECKPOINT
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: dict = {"step": [], "loss": [], "step_loss": [], "step_acc": [], "val_step": [], "val_agreement": []}

@@ -33,25 +33,17 @@ from specdraft.train.features import (
     target_batch,
     training_items,
 )
-from specdraft.train.loop import draft_vocabulary, train_loop
+from specdraft.train.loop import LoopConfig, draft_vocabulary, train_loop
 
 HEAD_WEIGHT = 0.8
 
 
 @dataclass
-class MedusaTrainConfig:
-    steps: int = 1000
-    batch_size: int = 8
-    seq_len: int = 512  # sequences are cut to this many tokens
+class MedusaTrainConfig(LoopConfig):
+    """Medusa heads' training: the loop's settings (a higher learning rate) and the number of heads."""
+
     lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: int = 20
-    grad_clip: float = 0.5
     heads: int = 4
-    draft_vocab: int | None = None  # None: the target's whole vocabulary
-    seed: int = 0
-    checkpoint_every: int = 100
-    eval_every: int = 100
 
 
 class _Batch:
