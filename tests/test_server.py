@@ -582,6 +582,21 @@ def test_bench_serve_scaling_is_the_median_of_each_passes_ratio():
     assert _scaling(runs, [8], ["plain"]) == {}
 
 
+def test_bench_serve_speculation_and_server_cost_are_medians_of_paired_ratios():
+    from specdraft.bench.serve_bench import _median_ratio, _speculative_over_plain
+
+    tput = {(8, "plain"): [600.0, 520.0, 640.0, 500.0], (8, "ngram"): [594.0, 530.0, 512.0, 505.0]}
+    runs = {key: [{"throughput_tok_s": v} for v in values] for key, values in tput.items()}
+    # passes 0.99 / 1.019 / 0.8 / 1.01 -> 1.0 (the medians' ratio, 521 / 560 = 0.93, blames the drafter for
+    # the VM's slow pass)
+    assert _speculative_over_plain(runs, [8], ["plain", "ngram"]) == {"ngram": {8: pytest.approx(1.0)}}
+    assert _speculative_over_plain(runs, [8], ["ngram"]) == {}
+    assert _median_ratio([11.0, 30.0, 9.9], [10.0, 20.0, 9.0]) == pytest.approx(1.1)
+    assert _median_ratio([None, 5.0], [1.0, 0.0]) is None  # no pair to compare
+    with pytest.raises(ValueError):
+        _median_ratio([1.0], [1.0, 2.0])  # unpaired runs are a bug, not a figure
+
+
 def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):
     """The concurrency-1 reference of `bench-serve`: the same greedy requests on an engine called directly."""
     from specdraft.bench.serve_bench import _direct_level

@@ -4,9 +4,11 @@ For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streamin
 the same requests (the suite's first turns, 2 x the highest level by default; greedy, `ignore_eos` so every
 answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Each of
 `--repeats` passes runs every level, plain then speculative, so machine noise hits levels and modes alike; each
-row is the run of median throughput, and each level's scaling over concurrency 1 the median of the passes'
-ratios. At concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does),
-alternated with the plain server streamed and not, so the server's own cost is measured in the same run.
+row is the run of median throughput; each level's scaling over concurrency 1, and the drafter's throughput
+over plain decoding's, are the medians of the passes' own ratios (`scaling`, `speculative_over_plain`: pairs
+that ran side by side, so the VM's drift between passes cancels). At concurrency 1 the same requests also
+run on an engine called directly (`direct`, what `LLM.generate` does), alternated with the plain server
+streamed and not, so the server's own cost is measured in the same run.
 Every run starts with no prompt cached (`POST /reset_prefix_cache`; the direct engine's `restore_prefixes`):
 repeats send the same prompts, and the servers' slots would otherwise hand them their earlier entries.
 Reported per level and mode, as vLLM's `benchmark_serving` does:
@@ -207,18 +209,37 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
     return row
 
 
+def _median_ratio(tops: Sequence[float | None], bottoms: Sequence[float | None]) -> float | None:
+    """The median of tops[i] / bottoms[i]: pairs measured side by side (one pass, one alternation), so the
+    VM's drift between pairs cancels; the ratio of the two medians would not cancel it (on a VM whose speed
+    moves 10% from minute to minute, 8 passes at 8 clients: ngram over plain 0.91 from the medians, 0.99 as
+    the median of the passes' ratios, stop 43). None without a pair of positive values."""
+    ratios = [t / b for t, b in zip(tops, bottoms, strict=True) if t and b]
+    return statistics.median(ratios) if ratios else None
+
+
+def _throughputs(runs: Sequence[dict[str, Any]]) -> list[float | None]:
+    return [r["throughput_tok_s"] for r in runs]
+
+
 def _scaling(runs: dict[tuple[int, str], list[dict[str, Any]]], levels: Sequence[int],
-             modes: Sequence[str]) -> dict[str, dict[int, float]]:
-    """Per mode, each level's output tok/s over concurrency 1's, the median of the repeats' ratios (a level
-    and c=1 of the same repeat ran minutes apart at most, so the VM's drift between repeats cancels)."""
+             modes: Sequence[str]) -> dict[str, dict[int, float | None]]:
+    """Per mode, each level's output tok/s over concurrency 1's, the median of the passes' ratios."""
     if 1 not in levels:
         return {}
-    out: dict[str, dict[int, float]] = {}
-    for mode in modes:
-        base = [r["throughput_tok_s"] for r in runs[1, mode]]
-        out[mode] = {c: statistics.median(r["throughput_tok_s"] / b for r, b in zip(runs[c, mode], base) if b)
-                     for c in levels if c != 1 and all(base)}
-    return out
+    return {mode: {c: _median_ratio(_throughputs(runs[c, mode]), _throughputs(runs[1, mode]))
+                   for c in levels if c != 1}
+            for mode in modes}
+
+
+def _speculative_over_plain(runs: dict[tuple[int, str], list[dict[str, Any]]], levels: Sequence[int],
+                            modes: Sequence[str]) -> dict[str, dict[int, float | None]]:
+    """Per drafter, each level's output tok/s over the plain server's in the same pass, the median of the
+    passes' ratios (each pass runs a level plain, then speculative, back to back)."""
+    if "plain" not in modes:
+        return {}
+    return {mode: {c: _median_ratio(_throughputs(runs[c, mode]), _throughputs(runs[c, "plain"])) for c in levels}
+            for mode in modes if mode != "plain"}
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -343,6 +364,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         stack, urls, direct = _servers(args, max(levels))
     rows: list[dict[str, Any]] = []
+    scaling: dict[str, dict[int, float | None]] = {}
+    speculative: dict[str, dict[int, float | None]] = {}
     overhead: dict[str, float | None] = {"stream": None, "non_streaming": None}
     # The clients run in a worker process, as real clients do: in this one their SSE parsing would share the
     # GIL with the direct reference's engine.
@@ -370,8 +393,12 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         scaling = _scaling(runs, levels, list(urls))
         for mode, ratios in scaling.items():
             if ratios:
-                print(f"{mode}: output tok/s against c=1, medians of each repeat's ratio: "
-                      + ", ".join(f"c={c} {ratio:.2f}x" for c, ratio in ratios.items()), flush=True)
+                print(f"{mode}: output tok/s against c=1, medians of each pass's ratio: "
+                      + ", ".join(f"c={c} {_fmt(ratio, '.2f')}x" for c, ratio in ratios.items()), flush=True)
+        speculative = _speculative_over_plain(runs, levels, list(urls))
+        for mode, ratios in speculative.items():
+            print(f"{mode} over plain, medians of each pass's ratio: "
+                  + ", ".join(f"c={c} {_fmt(ratio, '.3f')}x" for c, ratio in ratios.items()), flush=True)
         if 1 in levels and direct is not None:
             overhead = _server_overhead(clients, urls["plain"], direct, prompts, args, rows)
     out = {"header": {**header(), "model": args.model},
@@ -379,8 +406,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                       "repeats": args.repeats,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
                       "suite": args.suite or "bundled mini suite", "url": args.url},
-           "results": rows, "scaling": scaling, "server_overhead_c1": overhead["stream"],
-           "server_overhead_c1_non_streaming": overhead["non_streaming"]}
+           "results": rows, "scaling": scaling, "speculative_over_plain": speculative,
+           "server_overhead_c1": overhead["stream"], "server_overhead_c1_non_streaming": overhead["non_streaming"]}
     print("\n".join(header_lines(out["header"])))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -394,7 +421,8 @@ def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompt
                      args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, float]:
     """The server's cost at concurrency 1: the same requests through the plain server, streamed and not, and
     on the engine directly, alternated OVERHEAD_REPEATS times (the cost is a few percent, this VM's speed
-    moves by more from minute to minute); the ratio of medians minus one, per way of asking. Streaming pays
+    moves by more from minute to minute); per way of asking, the median of each alternation's served / direct
+time, minus one. Streaming pays
     for an event per token: the server's event loop and the client's parser share the cores with the
     forwards. A non-streaming request is what `LLM.generate` returns: one answer at the end."""
     served: dict[str, list[float]] = {"stream": [], "non_streaming": []}
@@ -414,9 +442,10 @@ def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompt
                  "throughput_tok_s": direct_rows[0]["output_tokens"] / median_direct,
                  "repeats_s": {"served": served["stream"], "served_non_streaming": served["non_streaming"],
                                "direct": direct_s}})
-    overhead = {way: statistics.median(times) / median_direct - 1 for way, times in served.items()}
+    overhead = {way: _median_ratio(times, direct_s) - 1 for way, times in served.items()}
     print(f"direct     c=1   {_fmt(rows[-1]['throughput_tok_s'])} tok/s  (the engine without the server; "
-          f"alternated {OVERHEAD_REPEATS} times, medians: the server costs {overhead['stream']:+.1%} streamed, "
+          f"alternated {OVERHEAD_REPEATS} times, medians of each alternation's ratio: the server costs "
+          f"{overhead['stream']:+.1%} streamed, "
           f"{overhead['non_streaming']:+.1%} not streamed, at concurrency 1)", flush=True)
     return overhead
 
