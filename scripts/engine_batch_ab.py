@@ -1,10 +1,12 @@
 """Plain decoding against a drafter on the engine alone (no server), `--concurrency` requests at a time
 through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and the depth caps
 the batch's `BatchDepthChooser` picked (by batch-size bucket). With `--concurrency 1` as well, the engine's
-own scaling, the ceiling for `bench-serve`'s.
+own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter with its batch cap held
+at 0 (a batch of two or more never drafts): what drafting's choices cost or gain, apart from the drafter's
+bookkeeping. Each engine's time is also split into prompt forwards (prefill) and decode rounds.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
-        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64]
+        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting]
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="default: 2 x --concurrency")
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-batch-drafting", action="store_true",
+                        help="also run the drafter with the batch's depth cap held at 0")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
@@ -39,6 +43,14 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)] * len(prompts)
     engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
+    if args.no_batch_drafting:
+        held = build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)
+        held.batch_depths.choose = lambda batch: None if batch < 2 else 0  # type: ignore[method-assign]
+        engines[f"{args.drafter}-cap0"] = held
+    spent = {name: {"prefill": 0.0, "decode": 0.0} for name in engines}
+    for name, engine in engines.items():
+        for part, method in (("prefill", "_prefill"), ("decode", "_decode_round")):
+            setattr(engine, method, timed(getattr(engine, method), spent[name], part))
     caps: Counter[tuple[int, int | None]] = Counter()
     chooser = engines[args.drafter].batch_depths
     if chooser is not None:
@@ -51,20 +63,38 @@ def main() -> None:
 
         chooser.choose = counted  # type: ignore[method-assign]
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    walls = dict.fromkeys(engines, 0.0)
     for _ in range(args.passes):
         for name, engine in engines.items():
             engine.restore_prefixes({})  # no prompt cached by the pass before
             start = time.perf_counter()
             results = engine.generate_many(prompts, params)
-            rates[name].append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
+            wall = time.perf_counter() - start
+            walls[name] += wall
+            rates[name].append(sum(len(r.token_ids) for r in results) / wall)
     for name, runs in rates.items():
         print(f"{name:8} c={args.concurrency} output tok/s median {statistics.median(runs):.1f}  "
-              f"runs {' '.join(f'{r:.0f}' for r in runs)}")
-    ratios = [d / p for p, d in zip(rates["plain"], rates[args.drafter])]
-    print(f"{args.drafter} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}")
+              f"runs {' '.join(f'{r:.0f}' for r in runs)}  (time in prompt forwards "
+              f"{spent[name]['prefill'] / walls[name]:.0%}, decode rounds {spent[name]['decode'] / walls[name]:.0%})")
+    for name in engines:
+        if name != "plain":
+            ratios = [d / p for p, d in zip(rates["plain"], rates[name])]
+            print(f"{name} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}  "
+                  f"median {statistics.median(ratios):.3f}")
     if caps:
         print("depth caps chosen (batch bucket, cap): rounds  "
               + ", ".join(f"{bucket},{cap}: {n}" for (bucket, cap), n in sorted(caps.items(), key=str)))
+
+
+def timed(method, spent: dict[str, float], part: str):
+    """`method` (an engine's bound method), adding its wall time to spent[part]."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - start
+    return run
 
 
 if __name__ == "__main__":

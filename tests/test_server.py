@@ -597,6 +597,18 @@ def test_bench_serve_speculation_and_server_cost_are_medians_of_paired_ratios():
         _median_ratio([1.0], [1.0, 2.0])  # unpaired runs are a bug, not a figure
 
 
+def test_bench_serve_plot_shows_the_levels_and_the_paired_ratios(tmp_path):
+    from PIL import Image
+
+    from specdraft.bench.serve_bench import _plot
+
+    rows = [{"mode": mode, "concurrency": c, "throughput_tok_s": 100.0 * c, "ttft_ms_p50": 5.0 * c,
+             "tpot_ms_p50": 4.0 + c} for c in (1, 2, 8) for mode in ("plain", "ngram")]
+    _plot(rows, {"ngram": {1: 1.25, 2: 1.1, 8: None}}, tmp_path / "serve.png")  # a level with no ratio: skipped
+    with Image.open(tmp_path / "serve.png") as image:
+        assert image.size[0] > 3 * image.size[1]  # four panels side by side
+
+
 def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):
     """The concurrency-1 reference of `bench-serve`: the same greedy requests on an engine called directly."""
     from specdraft.bench.serve_bench import _direct_level

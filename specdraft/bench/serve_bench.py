@@ -412,7 +412,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(out, indent=2))
-    _plot(rows, out_dir / "serve.png")
+    _plot(rows, speculative, out_dir / "serve.png")
     print(f"wrote {out_dir / 'serve.json'} and {out_dir / 'serve.png'}")
     return out
 
@@ -462,25 +462,35 @@ def _print_row(r: dict[str, Any]) -> None:
           f"acc {_fmt(r['acceptance_rate'], '.2f')}  errors {r['errors']}", flush=True)
 
 
-def _plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+def _plot(rows: Sequence[dict[str, Any]], speculative: dict[str, dict[int, float | None]], path: Path) -> None:
+    """Throughput, TTFT and TPOT per level (each level's median run), and the drafter over plain decoding
+    (the median of the passes' paired ratios, the figure to read: medians of runs carry the VM's drift)."""
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     panels = [("throughput_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
     for ax, (key, label) in zip(axes, panels):
         for mode in dict.fromkeys(r["mode"] for r in rows):
             points = [(r["concurrency"], r[key]) for r in rows if r["mode"] == mode and r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=mode)
+        ax.set_ylabel(label)
+    for mode, ratios in speculative.items():
+        points = [(c, ratio) for c, ratio in ratios.items() if ratio is not None]
+        if points:
+            axes[3].plot(*zip(*points), marker="o", label=mode, color="C1")
+    axes[3].axhline(1.0, color="grey", lw=1)
+    axes[3].axhline(0.95, color="grey", lw=1, ls="--")
+    axes[3].set_ylabel("drafter / plain, median of passes")
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["concurrency"] for r in rows}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
