@@ -15,6 +15,8 @@ import argparse
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from specdraft.bench.suite import load_suite
 from specdraft.engine.core import build_engine
@@ -86,9 +88,9 @@ def main() -> None:
               + ", ".join(f"{bucket},{cap}: {n}" for (bucket, cap), n in sorted(caps.items(), key=str)))
 
 
-def timed(method, spent: dict[str, float], part: str):
+def timed(method: Callable[..., Any], spent: dict[str, float], part: str) -> Callable[..., Any]:
     """`method` (an engine's bound method), adding its wall time to spent[part]."""
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)

@@ -422,9 +422,9 @@ def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompt
     """The server's cost at concurrency 1: the same requests through the plain server, streamed and not, and
     on the engine directly, alternated OVERHEAD_REPEATS times (the cost is a few percent, this VM's speed
     moves by more from minute to minute); per way of asking, the median of each alternation's served / direct
-time, minus one. Streaming pays
-    for an event per token: the server's event loop and the client's parser share the cores with the
-    forwards. A non-streaming request is what `LLM.generate` returns: one answer at the end."""
+    time, minus one. Streaming pays for an event per token: the server's event loop and the client's parser
+    share the cores with the forwards. A non-streaming request is what `LLM.generate` returns: one answer at
+    the end."""
     served: dict[str, list[float]] = {"stream": [], "non_streaming": []}
     direct_rows = []
 

@@ -30,7 +30,6 @@ CHECKPOINT = "checkpoint.pt"
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "eval_every")
 
 
-
 @dataclass
 class LoopConfig:
     """The settings `train_loop` reads, shared by every head's training config (which adds its own)."""
