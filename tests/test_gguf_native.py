@@ -505,3 +505,38 @@ def test_tensors_without_a_native_layout_stay_dense(monkeypatch):
     tokens = torch.tensor([[1, 504, 3458, 314]])
     block = model(tokens, model.new_cache(16))[0]
     assert torch.isfinite(block).all()
+
+
+@needs_kernels
+def test_distill_on_native_weights_keeps_that_targets_answers_and_features(tmp_path):
+    """`specdraft distill --dtype gguf` (the fastest way to distill on a CPU): the data are the native target's
+    own greedy answers and its own features, as for a dense target."""
+    from tiny_models import ToyTokenizer
+
+    from specdraft.engine.core import Engine
+    from specdraft.train.data import train_val_split
+    from specdraft.train.distill import DistillConfig, distill
+    from specdraft.verify.sampling import SamplingParams
+
+    target = native_copy(kernel_model("llama", seed=3))[0]
+    tokenizer = ToyTokenizer(target.config.vocab_size)
+    prompts = ["abcd", "efg", "hijkl", "mn"]
+    config = DistillConfig(max_tokens=6, shard_size=2, max_batch=3, hidden_layers=[0, -1], val_fraction=0.25)
+    distill(target, tokenizer, prompts, tmp_path, config, {"model": "tiny", "dtype": "gguf"}, progress=False)
+    train, val = train_val_split(tmp_path, layers=[-1, 0])
+    assert len(train) == 3 and len(val) == 1
+    plain = Engine(target, tokenizer, None, 0, max_model_len=64)
+    for i, (seq, feats) in enumerate(train + val):
+        ids = [ord(c) - 97 for c in prompts[i]]
+        assert seq[:len(ids)] == ids and len(seq) == len(ids) + 6
+        if i % 2 == 0:  # every other prompt is the target's greedy answer
+            assert seq[len(ids):] == plain.generate(ids, SamplingParams(temperature=0, max_tokens=6)).token_ids
+        # Against one cache-free forward over the sequence, which multiplies a prompt-sized block another way
+        # (its int8 activations are not the decode steps'): close as a whole (2% here), where the features of
+        # the next position are as far as unrelated ones.
+        out = target.forward_sequence(torch.tensor([seq]), capture_layers=[0])
+        n = len(seq) - 2
+        for recorded, expect in ((feats[0], out.captured[0, 0]), (feats[-1], out.hidden[0])):
+            recorded, expect = recorded.float(), expect.float()
+            assert float((recorded - expect[:n]).norm() / expect[:n].norm()) < 0.05
+            assert float((recorded - expect[1:n + 1]).norm() / expect[1:n + 1].norm()) > 0.3
