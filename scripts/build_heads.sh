@@ -17,7 +17,7 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$WORK"
 # 1. The target's own answers (half greedy, half T=0.7) with its hidden states, batched 32 at a time.
 $PY -m specdraft.cli distill --model "$MODEL" --prompts "$PROMPTS" --out "$WORK/data" --limit "$LIMIT" --shuffle \
-    --max-prompt-tokens 768 --max-tokens 256 --max-batch 32 --shard-size 100
+    --max-prompt-tokens 768 --max-tokens 256 --max-batch 32 --shard-size 100 --dtype bf16
 # 2. The heads (add --resume to continue an interrupted run).
 RESUME=$([ -f "$WORK/eagle/checkpoint.pt" ] && echo --resume || true)
 $PY -m specdraft.cli train eagle --model "$MODEL" --data "$WORK/data" --out "$WORK/eagle" --steps "$EAGLE_STEPS" \

@@ -517,7 +517,7 @@ def test_cli_registers_train_and_distill(capsys):
         assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--ttt-steps" in out and "--device" in out
-    assert "{bf16,fp32,gguf}" in out  # distill: a GGUF target may generate on its own quantized blocks
+    assert "{auto,bf16,fp32,gguf}" in out  # distill: a GGUF target may generate on its own quantized blocks
 
 
 def test_train_options_reach_the_configs():
@@ -604,3 +604,26 @@ def test_export_command_writes_the_speculators_layout_for_a_bundled_target(tmp_p
     assert torch.equal(EagleHead.load(tmp_path / "out").lm_head.weight, head.lm_head.weight)
     assert main(["export", "eagle", "--model", "smollm2-135m", "--head", str(tmp_path / "head"),
                  "--out", str(tmp_path / "head")]) == 2  # would overwrite its input
+
+
+@pytest.mark.slow
+def test_distill_cli_names_the_weights_that_generated(tmp_path, capsys):
+    """`specdraft distill` on the bundled GGUF model: by default (`--dtype auto`) it generates on the model's
+    own blocks where the kernels build, as `specdraft serve` runs it, and the manifest says which weights
+    generated (a resumed run must use the same)."""
+    from specdraft.cli import main
+    from specdraft.runtime import cpu_kernels
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a colour."}\n{"prompt": "Count to three."}\n')
+    common = ["distill", "--model", "smollm2-135m", "--prompts", str(prompts), "--max-tokens", "4",
+              "--features", "none", "--max-batch", "2"]
+    for dtype, expect in ((None, "gguf" if cpu_kernels.available() else "bf16"), ("bf16", "bf16")):
+        out = tmp_path / f"data-{dtype}"
+        assert main(common + ["--out", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["complete"] and manifest["settings"]["dtype"] == expect
+    if cpu_kernels.available():  # the auto run's data, resumed with the dense weights: refused, clearly
+        capsys.readouterr()
+        assert main(common + ["--out", str(tmp_path / "data-None"), "--dtype", "bf16"]) == 2
+        assert "other settings" in capsys.readouterr().err

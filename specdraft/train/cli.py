@@ -25,9 +25,10 @@ def add_commands(sub) -> None:
                          "then recomputes them with a target forward per step)")
     distill.add_argument("--max-batch", type=arg_int_in(1, 256), default=32)
     distill.add_argument("--shard-size", type=arg_int_in(1), default=64)
-    distill.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "gguf"],
-                         help="the target's weights while it generates (gguf: a GGUF model's own quantization, "
-                         "the fastest on CPU; its features are recorded in bf16 like the others)")
+    distill.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "gguf"],
+                         help="the target's weights while it generates: auto (the default) is gguf for a GGUF "
+                         "model on CPU, as `specdraft serve` runs it, else bf16; gguf, a GGUF model's own "
+                         "quantization, is the fastest on CPU; its features are recorded in bf16 like the others")
     distill.add_argument("--seed", type=int, default=0)
     distill.set_defaults(func=cmd_distill)
 
@@ -185,7 +186,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = DistillConfig(max_tokens=args.max_tokens, shard_size=args.shard_size, max_batch=args.max_batch,
                            limit=args.limit, seed=args.seed, shuffle=args.shuffle,
                            max_prompt_tokens=args.max_prompt_tokens, hidden_layers=layers)
-    identity = {**model_identity(args.model), "prompts_sha256": file_sha256(args.prompts), "dtype": args.dtype}
+    # what "auto" resolved to, so the manifest (and a resumed run's check) names the weights that generated
+    weights = args.dtype if args.dtype != "auto" else "gguf" if model.native_report is not None else "bf16"
+    identity = {**model_identity(args.model), "prompts_sha256": file_sha256(args.prompts), "dtype": weights}
     manifest = distill(model, tokenizer, prompts, args.out, config, identity)
     disk = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(f"{args.out}: {manifest['train_sequences']} train / {manifest['val_sequences']} validation sequences, "
