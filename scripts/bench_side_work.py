@@ -3,14 +3,15 @@
 One request decodes `--tokens` tokens on the engine (greedy, one `Engine.step` per token), and after each step
 hands a token to a consumer that spends `--work-us` microseconds of Python on it (serializing a streamed
 chunk, as the server's event loop does): in a thread of the engine's process woken with
-`call_soon_threadsafe` (how `specdraft serve` hands its chunks over), or in another process woken through a
-pipe; and with no consumer. Output tok/s of each, alternated, medians of `--passes`.
+`call_soon_threadsafe` (how `specdraft serve` hands its chunks over), the same but only as the engine
+thread enters its next forward, or in another process woken through a pipe; and with no consumer. Output
+tok/s of each, alternated, medians of `--passes`.
 
     .venv/bin/python scripts/bench_side_work.py [--model smollm2-135m] [--dtype gguf] [--tokens 256]
         [--work-us 100,400] [--passes 5]
 
-Stop 43 (AMD Zen 4, 2 cores): the consumer's time comes off the decode rate wherever it runs, as the
-forward's two threads occupy both cores: a process of its own saves nothing here.
+Stop 43 (AMD Zen 4, 2 cores): the consumer's time comes off the decode rate wherever and whenever it runs,
+as the forward's two threads occupy both cores: a process of its own saves nothing here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 CHUNK = {"id": "chatcmpl-" + "0" * 32, "object": "chat.completion.chunk", "created": 0, "model": "m",
          "choices": [{"index": 0, "delta": {"content": " word"}, "logprobs": None, "finish_reason": None}]}
@@ -91,6 +93,18 @@ def main() -> None:
         engine.restore_prefixes({})
         return tokens / (time.perf_counter() - start)
 
+    # "thread, at the next forward": the hand-over waits until the engine thread enters its next forward
+    # (which holds no GIL), so the consumer's Python runs beside the forward instead of beside the engine
+    # thread's own Python between forwards, which waits for the GIL meanwhile.
+    pending: list[Callable[[], None]] = []
+    forward = engine.target.forward
+
+    def forward_after_hand_over(*args: Any, **kwargs: Any) -> Any:
+        while pending:
+            pending.pop()()
+        return forward(*args, **kwargs)
+
+    engine.target.forward = forward_after_hand_over
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     decode(lambda: None)  # warm-up
@@ -103,6 +117,8 @@ def main() -> None:
         time.sleep(1.0)  # the consumer's interpreter is up
         ways = {"no consumer": lambda: None,
                 "thread": lambda n=repeats: loop.call_soon_threadsafe(work, n),
+                "thread, at the next forward": lambda n=repeats: pending.append(
+                    lambda: loop.call_soon_threadsafe(work, n)),
                 "process": lambda pipe=send: pipe.send_bytes(b"t")}
         rates: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(args.passes):
@@ -114,7 +130,7 @@ def main() -> None:
         print(f"{micros:.0f} us of work per token:")
         for way, runs in rates.items():
             median = statistics.median(runs)
-            print(f"  {way:12} {median:6.1f} tok/s ({median / base:.3f} of no consumer)  "
+            print(f"  {way:28} {median:6.1f} tok/s ({median / base:.3f} of no consumer)  "
                   f"runs {' '.join(f'{r:.0f}' for r in runs)}")
 
 
