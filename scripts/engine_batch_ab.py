@@ -1,9 +1,10 @@
 """Plain decoding against a drafter on the engine alone (no server), `--concurrency` requests at a time
-through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and the depth caps
-the batch's `BatchDepthChooser` picked (by batch-size bucket). With `--concurrency 1` as well, the engine's
-own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter with its batch cap held
-at 0 (a batch of two or more never drafts): what drafting's choices cost or gain, apart from the drafter's
-bookkeeping. Each engine's time is also split into prompt forwards (prefill) and decode rounds.
+through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and how many
+requests of each batched round `plan_batch_drafts` let draft. With `--concurrency 1` as well, the engine's
+own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter held to plain rounds
+whenever two or more requests run (a lone request still drafts): what drafting's choices cost or gain,
+apart from the drafter's bookkeeping. Each engine's time is also split into prompt forwards (prefill) and
+decode rounds.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
         [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting]
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdraft.bench.suite import load_suite
+from specdraft.engine import core
 from specdraft.engine.core import build_engine
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
@@ -35,7 +37,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-batch-drafting", action="store_true",
-                        help="also run the drafter with the batch's depth cap held at 0")
+                        help="also run the drafter held to plain rounds whenever two or more requests run")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
@@ -47,23 +49,21 @@ def main() -> None:
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
     if args.no_batch_drafting:
         held = build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)
-        held.batch_depths.choose = lambda batch: None if batch < 2 else 0  # type: ignore[method-assign]
+        hold_batches(held)
         engines[f"{args.drafter}-cap0"] = held
     spent = {name: {"prefill": 0.0, "decode": 0.0} for name in engines}
     for name, engine in engines.items():
         for part, method in (("prefill", "_prefill"), ("decode", "_decode_round")):
             setattr(engine, method, timed(getattr(engine, method), spent[name], part))
-    caps: Counter[tuple[int, int | None]] = Counter()
-    chooser = engines[args.drafter].batch_depths
-    if chooser is not None:
-        choose = chooser.choose
+    plans: Counter[tuple[int, int]] = Counter()  # (batch, requests drafting) -> rounds
+    plan = core.plan_batch_drafts
 
-        def counted(batch: int) -> int | None:
-            cap = choose(batch)
-            caps[chooser.bucket(batch), cap] += 1
-            return cap
+    def counted(*args: Any, **kwargs: Any) -> list[int]:
+        planned = plan(*args, **kwargs)
+        plans[len(planned), sum(depth > 0 for depth in planned)] += 1
+        return planned
 
-        chooser.choose = counted  # type: ignore[method-assign]
+    core.plan_batch_drafts = counted
     rates: dict[str, list[float]] = {name: [] for name in engines}
     walls = dict.fromkeys(engines, 0.0)
     for _ in range(args.passes):
@@ -83,9 +83,29 @@ def main() -> None:
             ratios = [d / p for p, d in zip(rates["plain"], rates[name])]
             print(f"{name} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}  "
                   f"median {statistics.median(ratios):.3f}")
-    if caps:
-        print("depth caps chosen (batch bucket, cap): rounds  "
-              + ", ".join(f"{bucket},{cap}: {n}" for (bucket, cap), n in sorted(caps.items(), key=str)))
+    table = engines[args.drafter].forward_costs
+    if table is not None:
+        print("forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds): "
+              + ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(table.seconds.items())))
+    if plans:
+        print("batched rounds planned (batch size, requests drafting): rounds  "
+              + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))
+
+
+def hold_batches(engine: core.Engine) -> None:
+    """No drafting in a round of two or more requests (a lone request still drafts as it likes)."""
+    decode_round, draft_budget = engine._decode_round, engine._draft_budget
+    batch = [1]
+
+    def round_of(requests: Any) -> Any:
+        batch[0] = len(requests)
+        return decode_round(requests)
+
+    def budget(r: Any) -> tuple[int, int, int | None]:
+        wanted = draft_budget(r)
+        return wanted if batch[0] < 2 else (0, 0, None)
+
+    engine._decode_round, engine._draft_budget = round_of, budget  # type: ignore[method-assign]
 
 
 def timed(method: Callable[..., Any], spent: dict[str, float], part: str) -> Callable[..., Any]:

@@ -6,12 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cpu_kernels import kernel_model, needs_kernels
+from test_engine import OracleDrafter
 from tiny_models import ToyTokenizer, tiny_model
 
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.engine.adaptive import AdaptiveConfig, BatchDepthChooser
+from specdraft.engine.adaptive import (
+    PLAIN_EVERY,
+    AcceptanceCalibration,
+    AdaptiveConfig,
+    DraftLengthController,
+    ForwardCostTable,
+    plan_batch_drafts,
+)
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.verify.greedy import common_prefix
@@ -318,55 +326,107 @@ def test_cache_free_forward_trains_with_autograd_and_matches_the_cached_forward(
     model.requires_grad_(False)
 
 
-def test_batch_depth_chooser_turns_drafts_off_where_the_batch_loses_by_them():
-    """Simulated rounds: two requests gain from drafting 4 deep, eight lose (their padded verification costs
-    more than the accepted tokens bring); each batch size settles on its own cap and re-measures the others
-    rarely."""
-    chooser = BatchDepthChooser(4, window=4, explore_every=8, max_wait=64)
-    assert chooser.arms == [0, 1, 2, 4] and chooser.choose(1) is None  # a lone request decides alone
-    assert [BatchDepthChooser.bucket(b) for b in (2, 3, 4, 5, 8, 9)] == [2, 4, 4, 8, 8, 16]
-
-    def round_of(batch: int, cap: int) -> tuple[float, float]:
-        tokens = batch * (1 + 0.6 * min(cap, 2))  # about 1.2 accepted per request at depth >= 2
-        seconds = 0.02 * (1 + 0.1 * batch * cap) if batch > 4 else 0.02 * (1 + 0.05 * cap)
-        return tokens, seconds
-
-    picks = {2: [], 8: []}
-    for _ in range(300):
-        for batch in picks:
-            cap = chooser.choose(batch)
-            picks[batch].append(cap)
-            chooser.update(batch, cap, *round_of(batch, cap))
-    # Both start plain and climb while a longer cap is faster: the small batch up to 4 (which loses to 2),
-    # the large one never past 1 (which loses to plain), so its 2 and 4 are never tried.
-    assert picks[2][:4] == [0, 1, 2, 4] and picks[8][:2] == [0, 1]
-    assert chooser.bandit(2).best() == 2 and chooser.bandit(8).best() == 0
-    assert set(picks[8]) == {0, 1} and picks[8][150:].count(0) > 0.9 * 150  # drafting off for the large batch
-    assert set(picks[2][150:]) == {1, 2, 4}  # only the best cap's neighbours are re-measured
+def test_forward_cost_table_interpolates_between_measured_rows_and_extends_the_upper_slope():
+    table = ForwardCostTable(window=2)
+    assert table.costs(1, 3) is None  # nothing measured: nothing to plan with
+    table.record(4, 0.010, plain=True)
+    assert table.costs(2, 8) == pytest.approx([0.010] * 7)  # one count: more rows free until measured
+    table.record(8, 0.012, plain=True)
+    table.record(16, 0.025, plain=True)
+    costs = table.costs(1, 24)
+    assert costs[3] == pytest.approx(0.010) and costs[0] == pytest.approx(0.010)  # below the first: at most it
+    assert costs[5] == pytest.approx(0.011)  # 6 rows: halfway between 4 and 8
+    assert costs[11] == pytest.approx(0.012 + 0.013 / 2)  # 12 rows: halfway between 8 and 16
+    # Past 16: the slope from 8 (the measured count nearest 16 / 2) to 16.
+    assert costs[23] == pytest.approx(0.025 + 8 * 0.013 / 8)
+    table.record(10, 0.030, plain=True)  # 10 rows measured dearer than 16: taken at 16's cost until measured again
+    assert table.costs(8, 17) == pytest.approx([0.012, 0.021] + [0.025] * 7 + [0.025 + 0.013 / 8])
 
 
-def test_batch_depth_chooser_keeps_the_cheaper_cap_unless_a_costlier_one_wins_by_its_margin():
-    """A cap that measures a few percent faster than plain (noise on a shared VM, or a gain not worth its
-    risk) does not take over, and is re-measured ever more rarely; one that wins by more than the margin
-    does take over."""
-    def picks_with(gain: float) -> list[int]:
-        chooser = BatchDepthChooser(4, window=4, explore_every=8, max_wait=64)
-        picks = []
-        for _ in range(300):
-            cap = chooser.choose(8)
-            picks.append(cap)
-            chooser.update(8, cap, 8 * (1 + gain * min(cap, 1)), 0.02)  # cap 1 and above: `gain` more tokens
-        return picks
+def test_forward_cost_table_keeps_rows_measured_in_a_slow_moment_at_the_machines_usual_speed():
+    """The machine slows down by half for a while (a neighbour on the VM): rounds of 16 rows, measured all
+    along, say so, and the rows measured before and during the slow spell compare as they would at one
+    speed (24 rows cost 1.5 times 16, 32 rows twice), where raw times would put 24 rows at 16's cost."""
+    table = ForwardCostTable()
+    rounds = [(16, 0.016)] * 20 + [(24, 0.024)] + [(16, 0.024)] * 20 + [(32, 0.048)]  # 1.5x slower from 21st
+    for rows, seconds in rounds:
+        table.record(rows, seconds, plain=rows == 16)
+    assert table.pace == pytest.approx(1.5, rel=0.05)
+    now = table.costs(16, 32)
+    assert now[0] == pytest.approx(0.024, rel=0.01)  # what 16 rows cost now
+    assert now[8] / now[0] == pytest.approx(1.5, rel=0.05) and now[16] / now[0] == pytest.approx(2.0, rel=0.05)
 
-    small = picks_with(0.03)
-    assert small[:2] == [0, 1] and small[100:].count(1) <= 3 and set(small) == {0, 1}
-    large = picks_with(0.10)
-    assert large[150:].count(0) < large[150:].count(1)  # cap 1 wins (2 and 4 gain no more: not taken)
+
+def test_plan_batch_drafts_drafts_where_rows_are_cheap_and_only_likely_tokens_where_they_are_not():
+    cheap_rows, costly_rows = ForwardCostTable(), ForwardCostTable()
+    for rows in range(1, 65):
+        cheap_rows.record(rows, 0.010 + 0.000001 * rows, plain=True)  # a memory-bound forward: rows nearly free
+        costly_rows.record(rows, 0.004 + 0.0005 * rows, plain=True)  # compute-bound past a fixed cost
+    alphas, depths = [0.9, 0.6, 0.3, 0.0], [4, 4, 4, 4]
+    assert plan_batch_drafts(alphas, depths, cheap_rows) == [4, 4, 4, 0]  # all that can be right, fully deep
+    # A draft token pays where its chance beats the share of the batch's time one more row costs, which
+    # grows as rows are added (the round's rate rises): 0.9^1..^4 (0.9 .. 0.66) and 0.6 do; 0.36 does not.
+    assert plan_batch_drafts(alphas, depths, costly_rows) == [4, 1, 0, 0]
+    assert plan_batch_drafts(alphas, [0, 0, 0, 0], costly_rows) == [0, 0, 0, 0]
+    assert plan_batch_drafts(alphas, [2, 1, 4, 4], cheap_rows) == [2, 1, 4, 0]  # never past what is wanted
+    # Drafting's own cost counts too: at a row's cost per draft token nothing pays at these acceptances.
+    assert plan_batch_drafts([0.6, 0.6], [3, 3], cheap_rows, draft_cost=0.01) == [0, 0]
+    assert plan_batch_drafts(alphas, depths, ForwardCostTable()) == [0, 0, 0, 0]  # unmeasured: plain
+    # The best plan must beat a plain round by the margin: one token accepted 9 times in 10 for a row that
+    # costs 1.1 ms is a rate 2% above plain (4.9 / 6.6 against 4 / 5.5; a second token, 0.81, no longer pays).
+    steep = ForwardCostTable()
+    for rows, seconds in ((4, 5.5), (5, 6.6), (6, 7.7), (7, 8.8), (8, 9.9)):
+        steep.record(rows, seconds, plain=True)
+    assert plan_batch_drafts([0.9, 0.0, 0.0, 0.0], [2, 0, 0, 0], steep) == [0, 0, 0, 0]
+    assert plan_batch_drafts([0.9, 0.0, 0.0, 0.0], [2, 0, 0, 0], steep, margin=0.0) == [1, 0, 0, 0]
+
+
+def test_plans_that_expected_more_tokens_than_they_got_expect_less_from_then_on():
+    calibration = AcceptanceCalibration(window=4)
+    assert calibration.factor == 1.0  # nothing measured yet
+    for _ in range(40):
+        calibration.record(expected=8.0, accepted=5)
+    assert calibration.factor == pytest.approx(5 / 8, rel=0.01)
+    for _ in range(40):
+        calibration.record(expected=1.0, accepted=0)
+    assert calibration.factor == 0.25  # bounded: a run of misses does not switch drafting off for good
+    for _ in range(180):
+        calibration.relax()  # rounds that drafted nothing
+    assert 0.45 < calibration.factor < 0.65  # half way back to trusting the estimates
+    table = ForwardCostTable()
+    for rows in range(1, 40):
+        table.record(rows, 0.004 + 0.0005 * rows, plain=True)
+    alphas, depths = [0.9, 0.6, 0.3, 0.0], [4, 4, 4, 4]
+    assert plan_batch_drafts(alphas, depths, table) == [4, 1, 0, 0]
+    # At 0.6 of their expected acceptance the first request's tokens still pay (0.54 .. 0.39), the second's (0.36) not.
+    assert plan_batch_drafts(alphas, depths, table, calibration=0.6) == [4, 0, 0, 0]
+
+
+def test_batch_plans_learn_what_rows_cost_from_the_rounds_they_run():
+    """From an empty table (an engine that starts with a full batch), the plans measure their own rounds and
+    settle on the best plan under the true cost: the first plan drafts (rows past the batch's own are taken
+    to be free until measured), the measurement then cuts the drafts whose rows do not pay."""
+    def seconds(rows: int) -> float:
+        return 0.004 + 0.0005 * rows
+
+    alphas, depths = [0.95, 0.95, 0.3, 0.3, 0.1, 0.1, 0.1, 0.1], [4] * 8
+    true_costs = ForwardCostTable()
+    for rows in range(1, 41):
+        true_costs.record(rows, seconds(rows), plain=True)
+    best = plan_batch_drafts(alphas, depths, true_costs)
+    assert best == [4, 4, 0, 0, 0, 0, 0, 0]
+    table, plans = ForwardCostTable(), []
+    for _ in range(30):
+        planned = plan_batch_drafts(alphas, depths, table)
+        plans.append(planned)
+        table.record(len(alphas) + sum(planned), seconds(len(alphas) + sum(planned)), plain=not sum(planned))
+    assert plans[0] == [0] * 8 and plans[1] == [4] * 8  # nothing known, then every row taken as free
+    assert plans[-10:] == [best] * 10
 
 
 @needs_kernels
 def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
-    """With adaptation on, a batch's depth cap and each request's own controller change the drafts of every
+    """With adaptation on, a batch's plan and each request's own controller change the drafts of every
     round, never a greedy request's tokens."""
     target = kernel_model("llama")
     tokenizer = ToyTokenizer(KERNEL_VOCAB)
@@ -376,5 +436,54 @@ def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
     expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
     batched = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=6)
     assert [r.token_ids for r in batched.generate_many(prompts, params)] == expected
-    tried = {arm for bandit in batched.batch_depths.bandits.values() for arm in bandit.tokens}
-    assert batched.batch_depths.bandits and 0 in tried and tried - {0}  # caps were measured, plain among them
+    measured = batched.forward_costs.seconds
+    assert 6 in measured and max(measured) > 6 and batched.totals.drafted > 0  # plans were made from them
+
+
+@needs_kernels
+def test_requests_a_batch_plan_leaves_out_keep_measuring_acceptance_by_shadow_drafts():
+    """Where the forward's rows cost too much for any draft to pay, a cheap drafter's requests draft nothing
+    that is verified, yet their acceptance moves with what their one-token shadow drafts would have got, and
+    their output is the target's own."""
+    target = kernel_model("llama")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    prompts = [[5, 6, 7, 8] * 6] * 4  # repetitive: the lookup guesses right
+    params = [SamplingParams(temperature=0, max_tokens=24)] * 4
+    plain = Engine(target, tokenizer, None, 0, max_model_len=256)
+    expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
+    engine = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=4)
+    engine.draft_costs.cost_ratio = 0.01  # earlier requests measured a cheap draft
+    for rows in range(5, 40):
+        engine.forward_costs.record(rows, 10.0, plain=False)  # every row past the batch's own is ruinous
+    requests = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
+    shadows = []
+    observe = DraftLengthController.observe_shadow
+    for r in requests:
+        r.controller.observe_shadow = lambda accepted, c=r.controller: (shadows.append(accepted), observe(c, accepted))
+    while not all(r.finished for r in requests):
+        engine.step([r for r in requests if not r.finished])
+    assert [r.out.token_ids for r in requests] == expected
+    assert sum(r.metrics.drafted for r in requests) == 0  # nothing was verified but the target's own
+    assert len(shadows) > 20 and any(shadows)
+    assert all(r.controller.alpha != 0.7 for r in requests)  # moved from the prior by the shadows alone
+
+
+@needs_kernels
+def test_a_batch_that_drafts_every_round_still_runs_a_plain_round_every_so_often():
+    """Where drafting always pays (a drafter that is always right, rows that cost nothing), a plain round
+    still comes at least every PLAIN_EVERY batched rounds: it is what the machine's current pace is measured
+    on."""
+    target = kernel_model("llama")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    prompt, params = kernel_prompts(1, seed=5)[0], SamplingParams(temperature=0, max_tokens=150)
+    continuation = Engine(target, tokenizer, None, 0, max_model_len=256).generate(prompt, params).token_ids
+    engine = Engine(target, tokenizer, OracleDrafter(len(prompt), continuation), 2, AdaptiveConfig(),
+                    max_model_len=256, max_batch=3)
+    for rows in range(3, 40):
+        engine.forward_costs.record(rows, 1.0, plain=True)  # rows free: every draft pays
+    kinds = []
+    record = engine.forward_costs.record
+    engine.forward_costs.record = lambda rows, seconds, plain: (kinds.append(plain), record(rows, seconds, plain))
+    assert [r.token_ids for r in engine.generate_many([prompt] * 3, [params] * 3)] == [continuation] * 3
+    drafted_runs = "".join("p" if plain else "d" for plain in kinds).split("p")
+    assert kinds.count(False) > 2 * PLAIN_EVERY and max(len(run) for run in drafted_runs) == PLAIN_EVERY

@@ -12,6 +12,7 @@ never pays on this model would otherwise keep paying for probes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -121,83 +122,145 @@ class TreeShapeChooser(RateBandit):
         super().__init__(sorted({0, *sizes}, reverse=True), window, explore_every, max_wait)
 
 
-class LadderBandit(RateBandit):
-    """A `RateBandit` over ordered arms (cheapest first) that only ever measures the best arm's neighbours:
-    it climbs one arm at a time while the higher arm measures faster, and re-measures just the arms on either
-    side of the best one. Where every arm is one more draft token for a whole batch, a losing large arm can
-    cost several plain rounds to try, and one that loses to its smaller neighbour is not worth trying.
-
-    A costlier arm counts as faster only by more than `margin`: rounds on a shared 2-core VM vary by more than
-    near-equal arms differ, and without it the best arm flipped with the noise, each flip resetting the wait
-    of the arm above and paying for its re-measurement (8 clients, ngram at acceptance 0.2 on the dev suite:
-    3-5% slower than plain decoding where drafting gains nothing)."""
-
-    def __init__(self, arms: list[int], window: int = 8, explore_every: int = 8, max_wait: int = 256,
-                 margin: float = 0.05) -> None:
-        super().__init__(arms, window, explore_every, max_wait)
-        self.margin = margin
-
-    def best(self) -> int:
-        best = self.arms[0]
-        best_rate = self.rate(best) or 0.0
-        for arm in self.arms[1:]:
-            rate = self.rate(arm)
-            if rate is not None and rate > best_rate * (1 + self.margin):
-                best, best_rate = arm, rate
-        return best
-
-    def choose(self) -> int:
-        if not self.tokens:
-            return self.arms[0]
-        best = self.best()
-        i = self.arms.index(best)
-        for j in (i + 1, i - 1):
-            if 0 <= j < len(self.arms):
-                arm = self.arms[j]
-                if arm not in self.tokens:
-                    if j == i + 1:
-                        return arm
-                elif self.due[arm] <= self.rounds:
-                    return arm
-        return best
+# The weight of each plain round in the machine's current pace (`ForwardCostTable`): a few rounds' memory.
+PACE_SMOOTHING = 0.25
+# At most this many batched rounds in a row draft: the next is plain, which keeps the pace current.
+PLAIN_EVERY = 16
 
 
-class BatchDepthChooser:
-    """Caps the draft depth of a whole batched round, by measured tokens per second of the batch.
+class ForwardCostTable:
+    """Measured seconds of a batched target forward (with its verification) by the rows it computes.
 
-    A batched verification is padded to its longest draft, so on a machine whose forward cost grows with the
-    rows it computes (CPUs, and GPUs under large batches) every request's draft costs all the others: each
-    request's own controller sees its acceptance but not what its rows cost the batch. Per batch size (in
-    buckets 2, 3-4, 5-8, ...) the caps 0 (no drafting: a plain round), 1, K_max / 2 and K_max are the rungs of
-    a `LadderBandit` measured in tokens the whole batch produced per second; the round's drafts are cut to
-    the chosen cap. Each batch size starts plain and climbs while a longer cap measures faster. So drafts
-    shorten, and switch off, as the batch grows and wide verification stops paying, by measurement rather
-    than a fixed threshold, and come back when it pays again. A lone request (batch 1) is left to its own
-    controller.
+    A batched round computes one row per request plus one per draft token (ragged), so what drafting costs
+    the batch is the difference between two entries of this table. That difference is the machine's, not a
+    formula's: on a CPU whose kernels tile rows by four, a fifth row costs half a forward more (SmolLM2-135M
+    Q4 on Zen 4: 4 rows 5.0 ms, 5 rows 7.6 ms), and where the forward is compute-bound every row costs
+    about what the first ones did. Every batched round adds its measurement (an average over recent rounds
+    per row count; a lone request's one-slot block is another forward and is left out).
+
+    A shared machine's speed drifts by tens of percent over seconds, and a row count measured rarely would
+    compare its slow moment with another's fast one, so entries are kept at one speed: each plain round
+    updates the machine's current pace (its time over its row count's entry), and every measurement is
+    divided by the pace before it enters the table (the engine runs a plain round at least every
+    `PLAIN_EVERY` batched rounds, so the pace stays current while drafting pays). Between measured counts the table
+    interpolates; past the largest it extends the line through the largest and the one nearest half of it.
+    With one count measured (an engine that started with a full batch) more rows are taken to be free:
+    optimism that makes the first plan draft, which measures what rows really cost.
     """
 
-    def __init__(self, max_k: int, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
-        self.arms = sorted({max_k, max(1, max_k // 2), 1, 0})
-        self.window, self.explore_every, self.max_wait = window, explore_every, max_wait
-        self.bandits: dict[int, LadderBandit] = {}
+    def __init__(self, window: int = 32) -> None:
+        self.smoothing = 1.0 / window  # slow: what rows cost relative to each other is the machine's
+        self.seconds: dict[int, float] = {}  # per row count, in the machine's speed at the first rounds
+        self.pace = 1.0  # how much slower the machine runs now than then (EMA over the last few rounds)
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        """The batch-size bucket: the smallest power of two at least `batch`."""
-        return 1 << max(0, batch - 1).bit_length()
+    def record(self, rows: int, seconds: float, plain: bool) -> None:
+        """One batched round: `rows` computed in `seconds`; `plain` if no request drafted (such rounds, of the
+        same few row counts and frequent, are what the pace is measured on)."""
+        old = self.seconds.get(rows)
+        if plain and old is not None:
+            self.pace += PACE_SMOOTHING * (seconds / old - self.pace)
+        seconds /= self.pace
+        self.seconds[rows] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
 
-    def bandit(self, batch: int) -> LadderBandit:
-        key = self.bucket(batch)
-        if key not in self.bandits:
-            self.bandits[key] = LadderBandit(self.arms, self.window, self.explore_every, self.max_wait)
-        return self.bandits[key]
+    def costs(self, first: int, last: int) -> list[float] | None:
+        """Estimated seconds of a forward over each row count from `first` to `last` (None before any round
+        was measured)."""
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        top = known[-1]
+        slope = 0.0  # one count measured: more rows are taken to be free until a round measures them
+        if len(known) > 1:
+            mid = min(known[:-1], key=lambda n: abs(n - top / 2))
+            slope = max(0.0, (self.seconds[top] - self.seconds[mid]) / (top - mid))
+        out, i = [], 0  # known[i] is the first measured count >= rows
+        for rows in range(first, last + 1):
+            while i < len(known) and known[i] < rows:
+                i += 1
+            if i == len(known):
+                out.append(self.seconds[top] + slope * (rows - top))
+            elif known[i] == rows or i == 0:  # measured, or fewer rows than any measured: at most that
+                out.append(self.seconds[known[i]])
+            else:
+                lo, hi = known[i - 1], known[i]
+                out.append(self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo))
+        # A longer block never costs less than a shorter one: where one measured cheaper (the shorter in a
+        # noisy moment, or the longer long ago), the shorter is taken at the cheaper cost, so that a plan
+        # tries it and the next measurement settles which was wrong.
+        for j in range(len(out) - 2, 0, -1):
+            out[j] = min(out[j], out[j + 1])
+        return [max(cost, out[0]) * self.pace for cost in out]
 
-    def choose(self, batch: int) -> int | None:
-        """The round's depth cap (0: plain), or None for a lone request."""
-        return None if batch < 2 else self.bandit(batch).choose()
 
-    def update(self, batch: int, cap: int, tokens: int, seconds: float) -> None:
-        self.bandit(batch).update(cap, tokens, seconds)
+# How fast `AcceptanceCalibration` returns to trusting the requests' estimates while nothing drafts.
+RELAX = 1 / 256
+
+
+class AcceptanceCalibration:
+    """Tokens the plans' drafts got, over what the plans expected of them (EMAs over recent drafted rounds).
+
+    Expected acceptance comes from each request's own estimate (alpha^j for its j-th draft token); a plan
+    picks the requests whose estimates are highest, which are partly so by luck, and chains are not as
+    independent token to token as alpha^j says, so plans expected more than they got (ngram, 16 clients on
+    the dev suite: 7.7 tokens expected, 5.2 accepted). The ratio corrects the next plans.
+    """
+
+    def __init__(self, window: int = 16) -> None:
+        self.smoothing = 1.0 / window
+        self.expected = self.accepted = 0.0
+
+    def record(self, expected: float, accepted: int) -> None:
+        self.expected += self.smoothing * (expected - self.expected)
+        self.accepted += self.smoothing * (accepted - self.accepted)
+
+    def relax(self) -> None:
+        """A round that drafted nothing: the ratio creeps back towards 1 (half way in about 180 such rounds),
+        so that one unlucky measurement does not switch drafting off for good; the plan that follows tries
+        again and measures."""
+        self.accepted += RELAX * (self.expected - self.accepted)
+
+    @property
+    def factor(self) -> float:
+        """What to scale expected acceptance by (1 until a drafted round was measured), within [0.25, 1.5]."""
+        return 1.0 if self.expected <= 0 else min(1.5, max(0.25, self.accepted / self.expected))
+
+
+def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: ForwardCostTable,
+                      draft_cost: float = 0.0, margin: float = 0.05, calibration: float = 1.0) -> list[int]:
+    """How deep each request of a batched round drafts: the depths (at most `depths`, what each request's own
+    controller wants) that maximize the batch's expected tokens per second.
+
+    A round over B requests emits B tokens plus the accepted drafts, and costs a forward over B rows plus one
+    per draft token (from `table`, measured) plus `draft_cost` seconds per draft token. With a request's
+    per-token acceptance alpha, its j-th draft token is accepted with probability alpha^j, so the draft
+    tokens of all requests are taken best first while the batch's rate grows: in a small batch (where rows
+    cost little) every request drafts as deep as it wants; in a large one only requests whose drafts are
+    likely right draft at all, and with none of them the round is plain. Per request, not one cap for the
+    batch: one request copying from its prompt pays for its rows where the others' would not. A plan drafts
+    only where it expects `margin` more than a plain round: costs measured on a shared machine are noisy, and
+    a gain smaller than their noise is as likely a loss. `calibration` scales every expected acceptance: the
+    engine measures how many tokens its plans' drafts got against how many the plans expected (the requests
+    a plan picks are the ones whose estimates are highest, partly by luck), see `AcceptanceCalibration`.
+    """
+    batch = len(alphas)
+    units = sorted(((min(max(alpha, 0.0), 1.0) ** j, b) for b, (alpha, depth) in enumerate(zip(alphas, depths))
+                    for j in range(1, depth + 1)), key=lambda unit: -unit[0])
+    costs = table.costs(batch, batch + len(units)) if units else None
+    if costs is None or costs[0] <= 0:
+        return [0] * batch
+    plain_rate = batch / costs[0]
+    best_rate, best_m, gain = plain_rate, 0, 0.0
+    for m, (accept, _) in enumerate(units, start=1):
+        gain += calibration * accept
+        rate = (batch + gain) / (costs[m] + m * draft_cost)
+        if rate > best_rate:
+            best_rate, best_m = rate, m
+    if best_rate < (1 + margin) * plain_rate:
+        best_m = 0
+    planned = [0] * batch
+    for _, b in units[:best_m]:
+        planned[b] += 1
+    return planned
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -240,6 +303,11 @@ class DraftCostMemory:
     @property
     def hopeless(self) -> bool:
         return self.cost_ratio is not None and self.cost_ratio >= HOPELESS_DRAFT_COST
+
+    @property
+    def cheap(self) -> bool:
+        """Whether finished requests measured a draft token under `CHEAP_DRAFT` of a plain forward."""
+        return self.cost_ratio is not None and self.cost_ratio < CHEAP_DRAFT
 
 
 class DraftLengthController:
@@ -307,6 +375,11 @@ class DraftLengthController:
             return float("inf")
         cost = k * self.draft_step + self.plain_forward + k * self.verify_extra
         return expected_tokens(self.alpha, k) * self.plain_forward / cost
+
+    def observe_shadow(self, accepted: bool) -> None:
+        """A one-token draft that was proposed but not verified (a batch's plan left it out), checked against
+        the token the target emitted: it moves the acceptance estimate as a verified one-token round would."""
+        self.alpha = self._ema(self.alpha, 1.0 if accepted else 0.0)
 
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float,
                nodes: int | None = None) -> None:

@@ -40,11 +40,14 @@ import torch
 
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
 from specdraft.engine.adaptive import (
+    PLAIN_EVERY,
+    AcceptanceCalibration,
     AdaptiveConfig,
-    BatchDepthChooser,
     DraftCostMemory,
     DraftLengthController,
+    ForwardCostTable,
     TreeShapeChooser,
+    plan_batch_drafts,
 )
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
@@ -154,9 +157,14 @@ class Engine:
         # Every request's chain/tree measurements also feed this one, from which new requests start.
         self.shapes = TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled \
             else None
-        # Batched rounds: the depth cap that gives the whole batch the most tokens per second.
-        self.batch_depths = BatchDepthChooser(num_speculative_tokens, self.adaptive.window) \
+        # Batched rounds: what a forward over so many rows costs, from which each round's drafts are planned
+        # (`plan_batch_drafts`), and the seconds of drafting per draft token (EMA).
+        self.forward_costs = ForwardCostTable() \
             if self.drafter is not None and self.adaptive.enabled else None
+        self.draft_token_cost = 0.0
+        self.plan_calibration = AcceptanceCalibration()
+        self._drafted_rounds = 0  # batched rounds in a row that drafted
+        self._cold = False  # the next decode round follows a prompt forward (its caches are cold)
         # The draft's measured cost, carried from finished requests to new ones.
         self.draft_costs = DraftCostMemory()
         # Room past any request's own limit for the padding of a batched verification block.
@@ -355,6 +363,7 @@ class Engine:
                 r.drafting = True
                 r.metrics.draft_time += time.perf_counter() - t
             chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
+        self._cold = True
         return chunks
 
     def _reuse_prefix(self, r: Request) -> int:
@@ -382,8 +391,21 @@ class Engine:
     def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
         t0 = time.perf_counter()
-        cap = self.batch_depths.choose(len(requests)) if self.batch_depths is not None else None
-        budgets = [self._draft_budget(r, cap) for r in requests]
+        budgets = [self._draft_budget(r) for r in requests]
+        shadows: list[int] = []
+        if len(requests) > 1 and self.forward_costs is not None and any(depth for depth, _, _ in budgets):
+            planned = plan_batch_drafts([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
+                                        self.forward_costs, self.draft_token_cost,
+                                        calibration=self.plan_calibration.factor) \
+                if self._drafted_rounds < PLAIN_EVERY else [0] * len(requests)
+            # A cheap drafter still proposes one token for the requests the plan leaves out: checked against
+            # the token the target emits, it keeps their acceptance current at no cost to the forward.
+            cheap = self.draft_costs.cheap
+            shadows = [b for b, r in enumerate(requests)
+                       if budgets[b][0] and not planned[b] and (cheap or r.controller.cheap)]
+            budgets = [_cut_budget(budget, depth) for budget, depth in zip(budgets, planned)]
+            for b in shadows:
+                budgets[b] = (1, 1, None)
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         proposals = [Proposal([]) for _ in requests]
         if drafting:
@@ -391,6 +413,9 @@ class Engine:
                                       [budgets[b][0] for b in drafting], [budgets[b][1] for b in drafting])
             for b, proposal in zip(drafting, drafted, strict=True):
                 proposals[b] = proposal.truncated(*budgets[b][:2])
+        shadow_tokens = {b: proposals[b].tokens[:1] for b in shadows}
+        for b in shadows:
+            proposals[b], budgets[b] = Proposal([]), (0, 0, None)
         # One draft call serves the whole round: each request is charged what the round's drafting cost.
         draft_time = time.perf_counter() - t0
 
@@ -417,8 +442,26 @@ class Engine:
         top = _target_topk(logits, topk) if topk else None
         topk_time = time.perf_counter() - t2
 
-        if cap is not None and (cap == 0 or drafting):  # rounds that drafted under a cap, or plain by it
-            self.batch_depths.update(len(requests), cap, sum(len(e) for e in emitted), draft_time + verify_time)
+        cold, self._cold = self._cold, False
+        if self.forward_costs is not None and len(requests) > 1:  # a lone request's block is another forward
+            computed = sum(1 + len(p) for p in proposals)
+            if not cold:
+                self.forward_costs.record(computed, verify_time, plain=computed == len(requests))
+            self._drafted_rounds = 0 if computed == len(requests) else self._drafted_rounds + 1
+            if computed == len(requests):
+                self.plan_calibration.relax()
+            else:
+                self.plan_calibration.record(
+                    sum(r.controller.alpha ** j for r, p in zip(requests, proposals)
+                        for j in range(1, max(p.depths, default=0) + 1)),
+                    sum(len(path) for path in accepted))
+            positions = sum(budgets[b][0] for b in drafting) + len(shadows)
+            if positions:
+                w = 1.0 / self.adaptive.window
+                self.draft_token_cost = (1 - w) * self.draft_token_cost + w * draft_time / positions
+            for b in shadows:
+                if shadow_tokens[b]:  # a lookup that found nothing says nothing about acceptance
+                    requests[b].controller.observe_shadow(shadow_tokens[b][0] == emitted[b][0])
         chunks = {}
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
             start, path = starts[b], accepted[b]
@@ -439,14 +482,14 @@ class Engine:
                 r.metrics.draft_time += time.perf_counter() - t + topk_time
         return chunks
 
-    def _draft_budget(self, r: Request, cap: int | None = None) -> tuple[int, int, int | None]:
+    def _draft_budget(self, r: Request) -> tuple[int, int, int | None]:
         """(depth, nodes, shape) of the request's next draft: depth 0 is a plain round; shape is the
-        `TreeShapeChooser` arm taken (None without one); `cap` bounds the depth (the batch's choice)."""
+        `TreeShapeChooser` arm taken (None without one)."""
         if self.drafter is None:
             return 0, 0, None
         remaining = r.params.max_tokens - len(r.out.token_ids)
         room = self.max_model_len - self.cache.length(r.slot) - 1
-        depth = max(0, min(r.controller.next_k(), remaining - 1, room, cap if cap is not None else room))
+        depth = max(0, min(r.controller.next_k(), remaining - 1, room))
         if depth == 0:
             return 0, 0, None
         shape = r.shapes.choose() if r.shapes is not None else None
@@ -455,7 +498,7 @@ class Engine:
             return depth, depth, shape
         if r.controller.cheap:
             # A cheap drafter's tree costs its nodes, not its depth: let it place them as deep as it likes.
-            depth = max(0, min(r.controller.max_k, remaining - 1, room, cap if cap is not None else room))
+            depth = max(0, min(r.controller.max_k, remaining - 1, room))
         return min(depth, nodes), nodes, shape
 
     def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
@@ -529,6 +572,16 @@ class Engine:
             else:
                 hidden[layer] = captured[capture.index(layer), row, :length]
         return hidden
+
+
+def _cut_budget(budget: tuple[int, int, int | None], depth: int) -> tuple[int, int, int | None]:
+    """A draft budget (depth, nodes, shape) cut to at most `depth` levels; a tree keeps its nodes per level."""
+    wanted, nodes, shape = budget
+    if depth >= wanted:
+        return budget
+    if depth == 0:
+        return 0, 0, None
+    return depth, max(depth, nodes * depth // wanted), shape
 
 
 def _target_argmax(logits: torch.Tensor) -> torch.Tensor:
