@@ -19,6 +19,7 @@ from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.hybrid import HybridDrafter
 from specdraft.drafters.ngram import NgramDrafter, NgramIndex
+from specdraft.engine import core
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
@@ -56,10 +57,12 @@ def test_greedy_identity_with_both_sides_drafting(dtype, tree):
     assert spec.totals.accepted > 0
 
 
-def test_the_model_side_keeps_up_through_rounds_the_lookup_drafted():
+def test_the_model_side_keeps_up_through_rounds_the_lookup_drafted(monkeypatch):
     """EAGLE checks every proposal against a fresh head fed the whole context (test_eagle's check): features
-    of tokens the lookup's drafts brought in must be the ones it sees."""
+    of tokens the lookup's drafts brought in must be the ones it sees. (Every request drafts what its
+    controller wants: the batch's plan would leave a random head's drafts out.)"""
     from test_eagle import CheckedEagleDrafter
+    monkeypatch.setattr(core, "plan_batch_drafts", lambda alphas, depths, *args, **kwargs: list(depths))
 
     target = tiny_model(seed=0, vocab=VOCAB, layers=4)
     model = CheckedEagleDrafter(random_head(target), target, max_len=256, max_batch=len(REPEATING))

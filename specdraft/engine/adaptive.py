@@ -8,6 +8,10 @@ fallback it re-probes speculation after `reprobe_after` plain rounds, since acce
 each probe that falls back again doubles that wait (up to `max_reprobe_after`), because with a fast target
 a failed probe (the draft catching up, then a verification) costs several plain steps, and a drafter that
 never pays on this model would otherwise keep paying for probes.
+
+In a batched round each request's controller says how deep it would draft, and one plan for the batch
+(`plan_batch_drafts`) cuts those depths to what pays for the whole batch, from what a forward over so many
+rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`).
 """
 
 from __future__ import annotations
@@ -142,10 +146,11 @@ class ForwardCostTable:
     compare its slow moment with another's fast one, so entries are kept at one speed: each plain round
     updates the machine's current pace (its time over its row count's entry), and every measurement is
     divided by the pace before it enters the table (the engine runs a plain round at least every
-    `PLAIN_EVERY` batched rounds, so the pace stays current while drafting pays). Between measured counts the table
-    interpolates; past the largest it extends the line through the largest and the one nearest half of it.
-    With one count measured (an engine that started with a full batch) more rows are taken to be free:
-    optimism that makes the first plan draft, which measures what rows really cost.
+    `PLAIN_EVERY` batched rounds, so the pace stays current while drafting pays).
+
+    Between measured counts the table interpolates; past the largest it extends the line through the largest
+    and the one nearest half of it. With one count measured (an engine that started with a full batch) more
+    rows are taken to be free: optimism that makes the first plan draft, which measures what rows cost.
     """
 
     def __init__(self, window: int = 32) -> None:

@@ -394,19 +394,9 @@ class Engine:
         budgets = [self._draft_budget(r) for r in requests]
         shadows: list[int] = []
         if len(requests) > 1 and self.forward_costs is not None and any(depth for depth, _, _ in budgets):
-            planned = plan_batch_drafts([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
-                                        self.forward_costs, self.draft_token_cost,
-                                        calibration=self.plan_calibration.factor) \
-                if self._drafted_rounds < PLAIN_EVERY else [0] * len(requests)
-            # A cheap drafter still proposes one token for the requests the plan leaves out: checked against
-            # the token the target emits, it keeps their acceptance current at no cost to the forward.
-            cheap = self.draft_costs.cheap
-            shadows = [b for b, r in enumerate(requests)
-                       if budgets[b][0] and not planned[b] and (cheap or r.controller.cheap)]
-            budgets = [_cut_budget(budget, depth) for budget, depth in zip(budgets, planned)]
-            for b in shadows:
-                budgets[b] = (1, 1, None)
+            budgets, shadows = self._plan_batch(requests, budgets)
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
+        asked = sum(budgets[b][0] for b in drafting)
         proposals = [Proposal([]) for _ in requests]
         if drafting:
             drafted = drafter.propose([requests[b].id for b in drafting], [requests[b].context for b in drafting],
@@ -444,24 +434,8 @@ class Engine:
 
         cold, self._cold = self._cold, False
         if self.forward_costs is not None and len(requests) > 1:  # a lone request's block is another forward
-            computed = sum(1 + len(p) for p in proposals)
-            if not cold:
-                self.forward_costs.record(computed, verify_time, plain=computed == len(requests))
-            self._drafted_rounds = 0 if computed == len(requests) else self._drafted_rounds + 1
-            if computed == len(requests):
-                self.plan_calibration.relax()
-            else:
-                self.plan_calibration.record(
-                    sum(r.controller.alpha ** j for r, p in zip(requests, proposals)
-                        for j in range(1, max(p.depths, default=0) + 1)),
-                    sum(len(path) for path in accepted))
-            positions = sum(budgets[b][0] for b in drafting) + len(shadows)
-            if positions:
-                w = 1.0 / self.adaptive.window
-                self.draft_token_cost = (1 - w) * self.draft_token_cost + w * draft_time / positions
-            for b in shadows:
-                if shadow_tokens[b]:  # a lookup that found nothing says nothing about acceptance
-                    requests[b].controller.observe_shadow(shadow_tokens[b][0] == emitted[b][0])
+            self._learn_from_batch(requests, proposals, accepted, emitted, shadow_tokens, asked, draft_time,
+                                   verify_time, cold)
         chunks = {}
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
             start, path = starts[b], accepted[b]
@@ -481,6 +455,49 @@ class Engine:
                                                None if top is None else top[b, :len(scored)]))
                 r.metrics.draft_time += time.perf_counter() - t + topk_time
         return chunks
+
+    def _plan_batch(self, requests: Sequence[Request], budgets: list[tuple[int, int, int | None]]
+                    ) -> tuple[list[tuple[int, int, int | None]], list[int]]:
+        """The budgets of a batched round cut to what pays for the batch (`plan_batch_drafts`; a plain round
+        after PLAIN_EVERY drafted ones), and the requests to shadow-draft one token for."""
+        planned = [0] * len(requests)
+        if self._drafted_rounds < PLAIN_EVERY:
+            planned = plan_batch_drafts([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
+                                        self.forward_costs, self.draft_token_cost,
+                                        calibration=self.plan_calibration.factor)
+        # A cheap drafter still proposes one token for the requests the plan leaves out: checked against the
+        # token the target emits, it keeps their acceptance current at no cost to the forward.
+        cheap = self.draft_costs.cheap
+        shadows = [b for b, r in enumerate(requests)
+                   if budgets[b][0] and not planned[b] and (cheap or r.controller.cheap)]
+        budgets = [(1, 1, None) if b in shadows else _cut_budget(budget, depth)
+                   for b, (budget, depth) in enumerate(zip(budgets, planned))]
+        return budgets, shadows
+
+    def _learn_from_batch(self, requests: Sequence[Request], proposals: Sequence[Proposal],
+                          accepted: Sequence[list[int]], emitted: Sequence[list[int]],
+                          shadow_tokens: dict[int, list[int]], asked: int, draft_time: float,
+                          verify_time: float, cold: bool) -> None:
+        """What a batched round measured: its forward's cost by rows (not right after a prompt forward,
+        whose caches are cold), its plan's acceptance against what was expected, the draft's cost per token
+        asked for (`asked`, shadows included), and the shadow drafts' hits."""
+        computed = sum(1 + len(p) for p in proposals)
+        plain = computed == len(requests)
+        if not cold:
+            self.forward_costs.record(computed, verify_time, plain=plain)
+        self._drafted_rounds = 0 if plain else self._drafted_rounds + 1
+        if plain:
+            self.plan_calibration.relax()
+        else:
+            self.plan_calibration.record(sum(r.controller.alpha ** j for r, p in zip(requests, proposals)
+                                             for j in range(1, max(p.depths, default=0) + 1)),
+                                         sum(len(path) for path in accepted))
+        if asked:
+            w = 1.0 / self.adaptive.window
+            self.draft_token_cost = (1 - w) * self.draft_token_cost + w * draft_time / asked
+        for b, tokens in shadow_tokens.items():
+            if tokens:  # a lookup that found nothing says nothing about acceptance
+                requests[b].controller.observe_shadow(tokens[0] == emitted[b][0])
 
     def _draft_budget(self, r: Request) -> tuple[int, int, int | None]:
         """(depth, nodes, shape) of the request's next draft: depth 0 is a plain round; shape is the
