@@ -487,3 +487,29 @@ def test_a_batch_that_drafts_every_round_still_runs_a_plain_round_every_so_often
     assert [r.token_ids for r in engine.generate_many([prompt] * 3, [params] * 3)] == [continuation] * 3
     drafted_runs = "".join("p" if plain else "d" for plain in kinds).split("p")
     assert kinds.count(False) > 2 * PLAIN_EVERY and max(len(run) for run in drafted_runs) == PLAIN_EVERY
+
+
+@needs_kernels
+def test_where_rows_cost_only_the_request_whose_drafts_are_right_keeps_drafting():
+    """Three requests share rounds on a machine where every row costs (a pinned table); the drafter is right
+    for one of them and wrong for the others. The plans soon leave the others' drafts out and keep the right
+    one's: per request, not one cap for the batch. Outputs stay the target's own."""
+    target = kernel_model("llama")
+    tokenizer = ToyTokenizer(KERNEL_VOCAB)
+    prompts = kernel_prompts(3, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=80)
+    plain = Engine(target, tokenizer, None, 0, max_model_len=256)
+    expected = [plain.generate(p, params).token_ids for p in prompts]
+    right = len(prompts[0])
+    engine = Engine(target, tokenizer, OracleDrafter(right, expected[0]), 2, AdaptiveConfig(), max_model_len=256,
+                    max_batch=3)
+    for rows in range(1, 40):
+        engine.forward_costs.record(rows, 0.002 + 0.001 * rows, plain=True)
+    engine.forward_costs.record = lambda *args, **kwargs: None  # pinned
+    engine.draft_costs.cost_ratio = 0.01  # a cheap drafter
+    requests = [engine.add_request(p, params) for p in prompts]
+    while not all(r.finished for r in requests):
+        engine.step([r for r in requests if not r.finished])
+    assert [r.out.token_ids for r in requests] == expected
+    drafted = [r.metrics.drafted for r in requests]
+    assert drafted[0] > 20 and drafted[0] > 4 * max(drafted[1:])  # the others stopped after a few tries

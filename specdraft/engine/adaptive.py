@@ -201,6 +201,8 @@ class ForwardCostTable:
 
 # How fast `AcceptanceCalibration` returns to trusting the requests' estimates while nothing drafts.
 RELAX = 1 / 256
+# Outcomes of its own drafts a request's acceptance estimate needs before `AcceptanceCalibration` counts it.
+CALIBRATED_AFTER = 4
 
 
 class AcceptanceCalibration:
@@ -209,7 +211,9 @@ class AcceptanceCalibration:
     Expected acceptance comes from each request's own estimate (alpha^j for its j-th draft token); a plan
     picks the requests whose estimates are highest, which are partly so by luck, and chains are not as
     independent token to token as alpha^j says, so plans expected more than they got (ngram, 16 clients on
-    the dev suite: 7.7 tokens expected, 5.2 accepted). The ratio corrects the next plans.
+    the dev suite: 7.7 tokens expected, 5.2 accepted). The ratio corrects the next plans. Only requests
+    whose estimate rests on `CALIBRATED_AFTER` outcomes of their own count: a new request's first drafts
+    test the prior, which its own estimate corrects, and would otherwise lower every request's plans.
     """
 
     def __init__(self, window: int = 16) -> None:
@@ -330,6 +334,7 @@ class DraftLengthController:
         self.alpha = 0.7  # optimistic prior so that speculation gets tried
         self.draft_step = 0.0  # seconds per draft token (EMA)
         self.draft_rounds = 0
+        self.observed = 0  # drafts whose outcome reached `alpha` (verified rounds and shadow drafts)
         self.plain_forward: float | None = None  # seconds of a 1-token target forward (EMA)
         self.plain_rounds = 0
         self.verify_extra = 0.0  # extra seconds per verified draft token over a plain forward (EMA)
@@ -387,6 +392,7 @@ class DraftLengthController:
         """A one-token draft that was proposed but not verified (a batch's plan left it out), checked against
         the token the target emitted: it moves the acceptance estimate as a verified one-token round would."""
         self.alpha = self._ema(self.alpha, 1.0 if accepted else 0.0)
+        self.observed += 1
 
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float,
                nodes: int | None = None) -> None:
@@ -407,6 +413,7 @@ class DraftLengthController:
         round_alpha = accepted / (accepted + failures) if accepted + failures else self.alpha
         self.alpha = self._ema(self.alpha, round_alpha)
         self.draft_rounds += 1
+        self.observed += 1
         step = draft_time / drafted
         if self.draft_rounds <= CALIBRATION_ROUNDS:
             # The first drafting runs cold too (a drafter's first call lays out its weights, warms its

@@ -40,6 +40,7 @@ import torch
 
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
 from specdraft.engine.adaptive import (
+    CALIBRATED_AFTER,
     PLAIN_EVERY,
     AcceptanceCalibration,
     AdaptiveConfig,
@@ -489,9 +490,13 @@ class Engine:
         if plain:
             self.plan_calibration.relax()
         else:
-            self.plan_calibration.record(sum(r.controller.alpha ** j for r, p in zip(requests, proposals)
-                                             for j in range(1, max(p.depths, default=0) + 1)),
-                                         sum(len(path) for path in accepted))
+            counted = [b for b, (r, p) in enumerate(zip(requests, proposals))
+                       if len(p) and r.controller.observed >= CALIBRATED_AFTER]
+            if counted:
+                self.plan_calibration.record(
+                    sum(requests[b].controller.alpha ** j for b in counted
+                        for j in range(1, max(proposals[b].depths) + 1)),
+                    sum(len(accepted[b]) for b in counted))
         if asked:
             w = 1.0 / self.adaptive.window
             self.draft_token_cost = (1 - w) * self.draft_token_cost + w * draft_time / asked
