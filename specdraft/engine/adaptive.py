@@ -38,6 +38,11 @@ class AdaptiveConfig:
             raise ValueError("max_reprobe_after must be >= reprobe_after")
 
 
+def ema(old: float | None, new: float, weight: float) -> float:
+    """An exponential moving average's next value: `new` itself when there is no `old` yet."""
+    return new if old is None else old + weight * (new - old)
+
+
 # Plain rounds before the first speculation: the first decoding step after a prefill is slower than the rest
 # (caches and threads are cold), and a baseline taken from it alone would make any drafter look profitable.
 CALIBRATION_ROUNDS = 2
@@ -100,7 +105,7 @@ class RateBandit:
         # is smoothed over its recent rounds.
         w = 1.0 if explored else self.smoothing
         for table, value in ((self.tokens, float(tokens)), (self.seconds, seconds)):
-            table[arm] = value if arm not in table else (1 - w) * table[arm] + w * value
+            table[arm] = ema(table.get(arm), value, w)
         if explored:
             lost = self.best() != arm
             self.wait[arm] = min(2 * self.wait[arm], self.max_wait) if lost else self.explore_every
@@ -165,9 +170,9 @@ class ForwardCostTable:
         same few row counts and frequent, are what the pace is measured on)."""
         old = self.seconds.get(rows)
         if plain and old is not None:
-            self.pace += PACE_SMOOTHING * (seconds / old - self.pace)
+            self.pace = ema(self.pace, seconds / old, PACE_SMOOTHING)
         seconds /= self.pace
-        self.seconds[rows] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.seconds[rows] = ema(old, seconds, self.smoothing)
 
     def costs(self, first: int, last: int) -> list[float] | None:
         """Estimated seconds of a forward over each row count from `first` to `last` (None before any round
@@ -221,14 +226,14 @@ class AcceptanceCalibration:
         self.expected = self.accepted = 0.0
 
     def record(self, expected: float, accepted: int) -> None:
-        self.expected += self.smoothing * (expected - self.expected)
-        self.accepted += self.smoothing * (accepted - self.accepted)
+        self.expected = ema(self.expected, expected, self.smoothing)
+        self.accepted = ema(self.accepted, accepted, self.smoothing)
 
     def relax(self) -> None:
         """A round that drafted nothing: the ratio creeps back towards 1 (half way in about 180 such rounds),
         so that one unlucky measurement does not switch drafting off for good; the plan that follows tries
         again and measures."""
-        self.accepted += RELAX * (self.expected - self.accepted)
+        self.accepted = ema(self.accepted, self.expected, RELAX)
 
     @property
     def factor(self) -> float:
@@ -352,10 +357,7 @@ class DraftLengthController:
                             f"a draft token at {memory.cost_ratio:.2f} plain forwards")
 
     def _ema(self, old: float | None, new: float) -> float:
-        if old is None:
-            return new
-        w = 1.0 / self.config.window
-        return (1 - w) * old + w * new
+        return ema(old, new, 1.0 / self.config.window)
 
     @property
     def in_fallback(self) -> bool:

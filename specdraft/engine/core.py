@@ -48,6 +48,7 @@ from specdraft.engine.adaptive import (
     DraftLengthController,
     ForwardCostTable,
     TreeShapeChooser,
+    ema,
     plan_batch_drafts,
 )
 from specdraft.engine.metrics import SpecMetrics
@@ -471,7 +472,8 @@ class Engine:
         cheap = self.draft_costs.cheap
         shadows = [b for b, r in enumerate(requests)
                    if budgets[b][0] and not planned[b] and (cheap or r.controller.cheap)]
-        budgets = [(1, 1, None) if b in shadows else _cut_budget(budget, depth)
+        shadowed = set(shadows)
+        budgets = [(1, 1, None) if b in shadowed else _cut_budget(budget, depth)
                    for b, (budget, depth) in enumerate(zip(budgets, planned))]
         return budgets, shadows
 
@@ -498,8 +500,7 @@ class Engine:
                         for j in range(1, max(proposals[b].depths) + 1)),
                     sum(len(accepted[b]) for b in counted))
         if asked:
-            w = 1.0 / self.adaptive.window
-            self.draft_token_cost = (1 - w) * self.draft_token_cost + w * draft_time / asked
+            self.draft_token_cost = ema(self.draft_token_cost, draft_time / asked, 1.0 / self.adaptive.window)
         for b, tokens in shadow_tokens.items():
             if tokens:  # a lookup that found nothing says nothing about acceptance
                 requests[b].controller.observe_shadow(tokens[0] == emitted[b][0])
