@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdraft.bench.suite import load_suite
-from specdraft.engine import core
+from specdraft.engine import adaptive, core
 from specdraft.engine.core import build_engine
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
@@ -56,14 +56,14 @@ def main() -> None:
         for part, method in (("prefill", "_prefill"), ("decode", "_decode_round")):
             setattr(engine, method, timed(getattr(engine, method), spent[name], part))
     plans: Counter[tuple[int, int]] = Counter()  # (batch, requests drafting) -> rounds
-    plan = core.plan_batch_drafts
+    plan = adaptive.plan_batch_drafts
 
     def counted(*args: Any, **kwargs: Any) -> list[int]:
         planned = plan(*args, **kwargs)
         plans[len(planned), sum(depth > 0 for depth in planned)] += 1
         return planned
 
-    core.plan_batch_drafts = counted
+    adaptive.plan_batch_drafts = counted
     rates: dict[str, list[float]] = {name: [] for name in engines}
     walls = dict.fromkeys(engines, 0.0)
     for _ in range(args.passes):
@@ -83,10 +83,10 @@ def main() -> None:
             ratios = [d / p for p, d in zip(rates["plain"], rates[name])]
             print(f"{name} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}  "
                   f"median {statistics.median(ratios):.3f}")
-    table = engines[args.drafter].forward_costs
-    if table is not None:
+    planner = engines[args.drafter].planner
+    if planner is not None:
         print("forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds): "
-              + ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(table.seconds.items())))
+              + ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(planner.costs.seconds.items())))
     if plans:
         print("batched rounds planned (batch size, requests drafting): rounds  "
               + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))

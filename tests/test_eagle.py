@@ -12,8 +12,7 @@ from tiny_models import ToyTokenizer, tiny_model
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import DraftRequest
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, aux_features, default_aux_layer_ids
-from specdraft.engine import core
-from specdraft.engine.adaptive import AdaptiveConfig, DraftCostMemory
+from specdraft.engine.adaptive import AdaptiveConfig, BatchPlanner, DraftCostMemory
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.train.data import load_split, read_shard, train_val_split
@@ -244,7 +243,7 @@ def test_greedy_identity_through_fallback_rounds(target, monkeypatch):
     token's features) and probes again later: the head's features must stay in step with the context. (The
     batch's plan is set to let every request draft what its controller wants: a random head's drafts do not
     pay, and the plan would rightly leave them out, which is not what this test is about.)"""
-    monkeypatch.setattr(core, "plan_batch_drafts", lambda alphas, depths, *args, **kwargs: list(depths))
+    monkeypatch.setattr(BatchPlanner, "plan", lambda self, alphas, depths: list(depths))
     drafter = EagleDrafter(random_head(target), target, max_len=256, max_batch=3)
     spec = engine(target, drafter, k=4, max_batch=3, adaptive=AdaptiveConfig(reprobe_after=2))
     params = SamplingParams(temperature=0, max_tokens=60)

@@ -16,6 +16,7 @@ from specdraft.engine.adaptive import (
     PLAIN_EVERY,
     AcceptanceCalibration,
     AdaptiveConfig,
+    BatchPlanner,
     DraftLengthController,
     ForwardCostTable,
     plan_batch_drafts,
@@ -402,6 +403,31 @@ def test_plans_that_expected_more_tokens_than_they_got_expect_less_from_then_on(
     assert plan_batch_drafts(alphas, depths, table, calibration=0.6) == [4, 0, 0, 0]
 
 
+def test_batch_planner_times_no_cold_round_runs_a_plain_round_when_due_and_books_drafts():
+    """The planner's bookkeeping: the round after a prompt forward is not timed (a lone round in between
+    warms the caches, so the next batched one is); after PLAIN_EVERY drafted rounds the plan is plain; a
+    plain round relaxes the calibration, a drafted one records it; the draft cost is per token asked for."""
+    planner = BatchPlanner(window=4)
+    planner.prompt_forward()
+    planner.learn(4, 0.010, plain=True, expected=None, accepted=0, asked=0, draft_seconds=0.0)
+    assert planner.costs.seconds == {}  # cold: not timed
+    planner.prompt_forward()
+    planner.lone_round()
+    planner.learn(4, 0.010, plain=True, expected=None, accepted=0, asked=0, draft_seconds=0.0)
+    planner.learn(12, 0.011, plain=False, expected=2.0, accepted=1, asked=8, draft_seconds=0.004)
+    assert planner.costs.seconds == pytest.approx({4: 0.010, 12: 0.011})
+    assert planner.calibration.factor == pytest.approx(0.5)
+    assert planner.draft_token_cost == pytest.approx(0.0005 / 4)  # from 0, a window of 4: per token asked for
+    assert planner.plan([0.99] * 4, [4] * 4) == [4, 4, 4, 4]  # rows cheap: every draft pays
+    for _ in range(PLAIN_EVERY - 1):
+        planner.learn(12, 0.011, plain=False, expected=None, accepted=0, asked=0, draft_seconds=0.0)
+    assert planner.drafted_rounds == PLAIN_EVERY
+    assert planner.plan([0.99] * 4, [4] * 4) == [0, 0, 0, 0]  # a plain round is due
+    planner.learn(4, 0.010, plain=True, expected=None, accepted=0, asked=0, draft_seconds=0.0)
+    assert planner.drafted_rounds == 0 and planner.calibration.factor > 0.5  # relaxing towards 1
+    assert planner.plan([0.99] * 4, [4] * 4) == [4, 4, 4, 4]
+
+
 def test_batch_plans_learn_what_rows_cost_from_the_rounds_they_run():
     """From an empty table (an engine that starts with a full batch), the plans measure their own rounds and
     settle on the best plan under the true cost: the first plan drafts (rows past the batch's own are taken
@@ -436,7 +462,7 @@ def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
     expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
     batched = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=6)
     assert [r.token_ids for r in batched.generate_many(prompts, params)] == expected
-    measured = batched.forward_costs.seconds
+    measured = batched.planner.costs.seconds
     assert 6 in measured and max(measured) > 6 and batched.totals.drafted > 0  # plans were made from them
 
 
@@ -454,7 +480,7 @@ def test_requests_a_batch_plan_leaves_out_keep_measuring_acceptance_by_shadow_dr
     engine = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=4)
     engine.draft_costs.cost_ratio = 0.01  # earlier requests measured a cheap draft
     for rows in range(5, 40):
-        engine.forward_costs.record(rows, 10.0, plain=False)  # every row past the batch's own is ruinous
+        engine.planner.costs.record(rows, 10.0, plain=False)  # every row past the batch's own is ruinous
     requests = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
     shadows = []
     observe = DraftLengthController.observe_shadow
@@ -480,10 +506,10 @@ def test_a_batch_that_drafts_every_round_still_runs_a_plain_round_every_so_often
     engine = Engine(target, tokenizer, OracleDrafter(len(prompt), continuation), 2, AdaptiveConfig(),
                     max_model_len=256, max_batch=3)
     for rows in range(3, 40):
-        engine.forward_costs.record(rows, 1.0, plain=True)  # rows free: every draft pays
+        engine.planner.costs.record(rows, 1.0, plain=True)  # rows free: every draft pays
     kinds = []
-    record = engine.forward_costs.record
-    engine.forward_costs.record = lambda rows, seconds, plain: (kinds.append(plain), record(rows, seconds, plain))
+    record = engine.planner.costs.record
+    engine.planner.costs.record = lambda rows, seconds, plain: (kinds.append(plain), record(rows, seconds, plain))
     assert [r.token_ids for r in engine.generate_many([prompt] * 3, [params] * 3)] == [continuation] * 3
     drafted_runs = "".join("p" if plain else "d" for plain in kinds).split("p")
     assert kinds.count(False) > 2 * PLAIN_EVERY and max(len(run) for run in drafted_runs) == PLAIN_EVERY
@@ -504,8 +530,8 @@ def test_where_rows_cost_only_the_request_whose_drafts_are_right_keeps_drafting(
     engine = Engine(target, tokenizer, OracleDrafter(right, expected[0]), 2, AdaptiveConfig(), max_model_len=256,
                     max_batch=3)
     for rows in range(1, 40):
-        engine.forward_costs.record(rows, 0.002 + 0.001 * rows, plain=True)
-    engine.forward_costs.record = lambda *args, **kwargs: None  # pinned
+        engine.planner.costs.record(rows, 0.002 + 0.001 * rows, plain=True)
+    engine.planner.costs.record = lambda *args, **kwargs: None  # pinned
     engine.draft_costs.cost_ratio = 0.01  # a cheap drafter
     requests = [engine.add_request(p, params) for p in prompts]
     while not all(r.finished for r in requests):

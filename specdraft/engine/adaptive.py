@@ -11,7 +11,8 @@ never pays on this model would otherwise keep paying for probes.
 
 In a batched round each request's controller says how deep it would draft, and one plan for the batch
 (`plan_batch_drafts`) cuts those depths to what pays for the whole batch, from what a forward over so many
-rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`).
+rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`); the
+engine keeps both in one `BatchPlanner`.
 """
 
 from __future__ import annotations
@@ -277,6 +278,57 @@ def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: For
     for _, b in units[:best_m]:
         planned[b] += 1
     return planned
+
+
+class BatchPlanner:
+    """The engine's memory for batched rounds: what a forward over so many rows costs (`costs`), how many
+    tokens earlier plans' drafts got against what they expected (`calibration`), the drafter's seconds per
+    draft token asked for, and when the next plain round is due. `plan` sizes each request's draft for the
+    next round; `learn` books what the round measured.
+
+    Two kinds of round are not timed: a lone request's (its block is another forward, with no batch to
+    share the weights' reads) and the first after a prompt forward, whose caches that forward left cold.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.costs = ForwardCostTable()
+        self.calibration = AcceptanceCalibration()
+        self.draft_token_cost = 0.0  # seconds of drafting per draft token asked for (EMA)
+        self.smoothing = 1.0 / window
+        self.drafted_rounds = 0  # batched rounds in a row that drafted
+        self.cold = False  # the next round follows a prompt forward
+
+    def plan(self, alphas: Sequence[float], depths: Sequence[int]) -> list[int]:
+        """Each request's draft depth for a batched round (`plan_batch_drafts`): none after PLAIN_EVERY
+        drafted rounds in a row, so that the plain round keeps the table's pace current."""
+        if self.drafted_rounds >= PLAIN_EVERY:
+            return [0] * len(depths)
+        return plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
+                                 calibration=self.calibration.factor)
+
+    def prompt_forward(self) -> None:
+        """A prompt's forward ran: the round after it is not timed."""
+        self.cold = True
+
+    def lone_round(self) -> None:
+        """A round of one request ran (not timed, but its forward warmed the caches)."""
+        self.cold = False
+
+    def learn(self, rows: int, seconds: float, plain: bool, expected: float | None, accepted: int, asked: int,
+              draft_seconds: float) -> None:
+        """A batched round: `rows` computed in `seconds` (forward and verification; `plain` if nothing was
+        drafted); the drafts of the requests the calibration counts expected `expected` tokens (None: no such
+        request drafted) and got `accepted`; `asked` draft tokens (shadows included) cost `draft_seconds`."""
+        if not self.cold:
+            self.costs.record(rows, seconds, plain=plain)
+        self.cold = False
+        self.drafted_rounds = 0 if plain else self.drafted_rounds + 1
+        if plain:
+            self.calibration.relax()
+        elif expected is not None:
+            self.calibration.record(expected, accepted)
+        if asked:
+            self.draft_token_cost = ema(self.draft_token_cost, draft_seconds / asked, self.smoothing)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

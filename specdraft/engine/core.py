@@ -41,15 +41,11 @@ import torch
 from specdraft.drafters.base import ROOT, Drafter, DraftRequest, Proposal, Verified
 from specdraft.engine.adaptive import (
     CALIBRATED_AFTER,
-    PLAIN_EVERY,
-    AcceptanceCalibration,
     AdaptiveConfig,
+    BatchPlanner,
     DraftCostMemory,
     DraftLengthController,
-    ForwardCostTable,
     TreeShapeChooser,
-    ema,
-    plan_batch_drafts,
 )
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
@@ -159,14 +155,9 @@ class Engine:
         # Every request's chain/tree measurements also feed this one, from which new requests start.
         self.shapes = TreeShapeChooser(self.tree, self.adaptive.window) if self.tree and self.adaptive.enabled \
             else None
-        # Batched rounds: what a forward over so many rows costs, from which each round's drafts are planned
-        # (`plan_batch_drafts`), and the seconds of drafting per draft token (EMA).
-        self.forward_costs = ForwardCostTable() \
+        # Batched rounds: each one's drafts are planned from what earlier ones measured.
+        self.planner = BatchPlanner(self.adaptive.window) \
             if self.drafter is not None and self.adaptive.enabled else None
-        self.draft_token_cost = 0.0
-        self.plan_calibration = AcceptanceCalibration()
-        self._drafted_rounds = 0  # batched rounds in a row that drafted
-        self._cold = False  # the next decode round follows a prompt forward (its caches are cold)
         # The draft's measured cost, carried from finished requests to new ones.
         self.draft_costs = DraftCostMemory()
         # Room past any request's own limit for the padding of a batched verification block.
@@ -365,7 +356,8 @@ class Engine:
                 r.drafting = True
                 r.metrics.draft_time += time.perf_counter() - t
             chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
-        self._cold = True
+        if self.planner is not None:
+            self.planner.prompt_forward()
         return chunks
 
     def _reuse_prefix(self, r: Request) -> int:
@@ -395,7 +387,7 @@ class Engine:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(r) for r in requests]
         shadows: list[int] = []
-        if len(requests) > 1 and self.forward_costs is not None and any(depth for depth, _, _ in budgets):
+        if len(requests) > 1 and self.planner is not None and any(depth for depth, _, _ in budgets):
             budgets, shadows = self._plan_batch(requests, budgets)
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         asked = sum(budgets[b][0] for b in drafting)
@@ -434,10 +426,12 @@ class Engine:
         top = _target_topk(logits, topk) if topk else None
         topk_time = time.perf_counter() - t2
 
-        cold, self._cold = self._cold, False
-        if self.forward_costs is not None and len(requests) > 1:  # a lone request's block is another forward
-            self._learn_from_batch(requests, proposals, accepted, emitted, shadow_tokens, asked, draft_time,
-                                   verify_time, cold)
+        if self.planner is not None:
+            if len(requests) > 1:
+                self._learn_from_batch(requests, proposals, accepted, emitted, shadow_tokens, asked, draft_time,
+                                       verify_time)
+            else:
+                self.planner.lone_round()
         chunks = {}
         for b, (r, proposal) in enumerate(zip(requests, proposals)):
             start, path = starts[b], accepted[b]
@@ -460,13 +454,9 @@ class Engine:
 
     def _plan_batch(self, requests: Sequence[Request], budgets: list[tuple[int, int, int | None]]
                     ) -> tuple[list[tuple[int, int, int | None]], list[int]]:
-        """The budgets of a batched round cut to what pays for the batch (`plan_batch_drafts`; a plain round
-        after PLAIN_EVERY drafted ones), and the requests to shadow-draft one token for."""
-        planned = [0] * len(requests)
-        if self._drafted_rounds < PLAIN_EVERY:
-            planned = plan_batch_drafts([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
-                                        self.forward_costs, self.draft_token_cost,
-                                        calibration=self.plan_calibration.factor)
+        """The budgets of a batched round cut to what the planner says pays for the batch, and the requests
+        to shadow-draft one token for."""
+        planned = self.planner.plan([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets])
         # A cheap drafter still proposes one token for the requests the plan leaves out: checked against the
         # token the target emits, it keeps their acceptance current at no cost to the forward.
         cheap = self.draft_costs.cheap
@@ -480,27 +470,17 @@ class Engine:
     def _learn_from_batch(self, requests: Sequence[Request], proposals: Sequence[Proposal],
                           accepted: Sequence[list[int]], emitted: Sequence[list[int]],
                           shadow_tokens: dict[int, list[int]], asked: int, draft_time: float,
-                          verify_time: float, cold: bool) -> None:
-        """What a batched round measured: its forward's cost by rows (not right after a prompt forward,
-        whose caches are cold), its plan's acceptance against what was expected, the draft's cost per token
-        asked for (`asked`, shadows included), and the shadow drafts' hits."""
+                          verify_time: float) -> None:
+        """Book what a batched round measured with the planner (its forward's rows and cost, what its plan's
+        drafts expected and got, the draft's cost for `asked` tokens, shadows included), and the shadow
+        drafts' hits with their requests."""
+        counted = [b for b, (r, p) in enumerate(zip(requests, proposals))
+                   if len(p) and r.controller.observed >= CALIBRATED_AFTER]
+        expected = sum(requests[b].controller.alpha ** j for b in counted
+                       for j in range(1, max(proposals[b].depths) + 1)) if counted else None
         computed = sum(1 + len(p) for p in proposals)
-        plain = computed == len(requests)
-        if not cold:
-            self.forward_costs.record(computed, verify_time, plain=plain)
-        self._drafted_rounds = 0 if plain else self._drafted_rounds + 1
-        if plain:
-            self.plan_calibration.relax()
-        else:
-            counted = [b for b, (r, p) in enumerate(zip(requests, proposals))
-                       if len(p) and r.controller.observed >= CALIBRATED_AFTER]
-            if counted:
-                self.plan_calibration.record(
-                    sum(requests[b].controller.alpha ** j for b in counted
-                        for j in range(1, max(proposals[b].depths) + 1)),
-                    sum(len(accepted[b]) for b in counted))
-        if asked:
-            self.draft_token_cost = ema(self.draft_token_cost, draft_time / asked, 1.0 / self.adaptive.window)
+        self.planner.learn(computed, verify_time, plain=computed == len(requests), expected=expected,
+                           accepted=sum(len(accepted[b]) for b in counted), asked=asked, draft_seconds=draft_time)
         for b, tokens in shadow_tokens.items():
             if tokens:  # a lookup that found nothing says nothing about acceptance
                 requests[b].controller.observe_shadow(tokens[0] == emitted[b][0])
