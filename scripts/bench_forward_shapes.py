@@ -1,9 +1,11 @@
 """Forward ms of a model at a few block shapes (B sequences x T new tokens after 100 committed tokens each,
 median of 5 means of 16 forwards), optionally beside a process that takes a slice of a core. The figures
 behind stop 30's fp16 panel scales and guided panel loops: run it in two checkouts, alternately, to compare.
+`--ab-q8-int8 N` instead times every shape N times with the GGUF-native 8-bit layers on 16-bit and on int8
+activations in turn (`cpu_kernels.q8_int8_activations`), in one process, and prints the medians and ratios.
 
     python scripts/bench_forward_shapes.py [--model smollm2-135m] [--dtype gguf] [--shapes 1x1,8x1,1x8]
-        [--busy 0.1]
+        [--busy 0.1] [--ab-q8-int8 5]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from specdraft.runtime import cpu_kernels
 from specdraft.runtime.loader import load_model
 
 # A process that spins for `busy` of every 5 ms and sleeps the rest.
@@ -51,6 +54,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="gguf")
     parser.add_argument("--shapes", default="1x1,8x1,1x8,1x32", help="BxT, comma-separated")
     parser.add_argument("--busy", type=float, default=0.0, help="fraction of a core another process spins")
+    parser.add_argument("--ab-q8-int8", type=int, default=0, metavar="N",
+                        help="alternate 8-bit layers' 16-bit and int8 activations, N times per shape")
     args = parser.parse_args()
     model = load_model(args.model, dtype=args.dtype, progress=False)
     spinner = subprocess.Popen([sys.executable, "-c", SPINNER, str(args.busy)]) if args.busy > 0 else None
@@ -58,6 +63,19 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         for shape in args.shapes.split(","):
             batch, tokens = (int(n) for n in shape.split("x"))
+            if args.ab_q8_int8:
+                times: dict[bool, list[float]] = {False: [], True: []}
+                before = cpu_kernels.q8_int8_activations()
+                for _ in range(args.ab_q8_int8):
+                    for on in (False, True):
+                        cpu_kernels.q8_int8_activations(on)
+                        times[on].append(forward_ms(model, batch, tokens, generator))
+                cpu_kernels.q8_int8_activations(before)
+                ratios = [b / a for a, b in zip(times[False], times[True])]
+                print(f"{args.model} {args.dtype} B={batch} T={tokens}: 16-bit {statistics.median(times[False]):.2f} "
+                      f"ms, int8 {statistics.median(times[True]):.2f} ms, int8 / 16-bit per pair "
+                      f"{' '.join(f'{r:.3f}' for r in ratios)} median {statistics.median(ratios):.3f}", flush=True)
+                continue
             ms = forward_ms(model, batch, tokens, generator)
             print(f"{args.model} {args.dtype} B={batch} T={tokens}: {ms:.2f} ms", flush=True)
     finally:

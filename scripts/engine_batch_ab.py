@@ -4,10 +4,12 @@ requests of each batched round `plan_batch_drafts` let draft. With `--concurrenc
 own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter held to plain rounds
 whenever two or more requests run (a lone request still drafts): what drafting's choices cost or gain,
 apart from the drafter's bookkeeping. Each engine's time is also split into prompt forwards (prefill) and
-decode rounds.
+decode rounds. `--q8-16bit` adds plain decoding with the GGUF-native 8-bit layers on 16-bit activations
+(`cpu_kernels.q8_int8_activations(False)` while it runs), against their int8 default where the CPU has VNNI
+and no AMX-INT8.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
-        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting]
+        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting] [--q8-16bit]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from specdraft.bench.suite import load_suite
 from specdraft.engine import adaptive, core
 from specdraft.engine.core import build_engine
+from specdraft.runtime import cpu_kernels
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-batch-drafting", action="store_true",
                         help="also run the drafter held to plain rounds whenever two or more requests run")
+    parser.add_argument("--q8-16bit", action="store_true",
+                        help="also run plain decoding with 8-bit GGUF layers on 16-bit activations")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
@@ -51,6 +56,10 @@ def main() -> None:
         held = build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)
         hold_batches(held)
         engines[f"{args.drafter}-cap0"] = held
+    int8_of: dict[str, bool] = {}  # engines run with 8-bit layers' activations set so
+    if args.q8_16bit:
+        engines["plain-q8-16bit"] = build_engine(model, tokenizer, None, max_batch=args.concurrency)
+        int8_of["plain-q8-16bit"] = False
     spent = {name: {"prefill": 0.0, "decode": 0.0} for name in engines}
     for name, engine in engines.items():
         for part, method in (("prefill", "_prefill"), ("decode", "_decode_round")):
@@ -69,9 +78,11 @@ def main() -> None:
     for _ in range(args.passes):
         for name, engine in engines.items():
             engine.restore_prefixes({})  # no prompt cached by the pass before
+            int8_before = cpu_kernels.q8_int8_activations(int8_of.get(name))
             start = time.perf_counter()
             results = engine.generate_many(prompts, params)
             wall = time.perf_counter() - start
+            cpu_kernels.q8_int8_activations(int8_before)
             walls[name] += wall
             rates[name].append(sum(len(r.token_ids) for r in results) / wall)
     for name, runs in rates.items():

@@ -139,6 +139,13 @@ int sd_has_avx512(void) {
 /* Set by sd_amx_init (AMX builds, when Linux grants the tile state). */
 int sd_amx_active = 0;
 int64_t sd_q_amx_rows = 48; /* GGUF panels on AMX-INT8 tiles from this many rows (linear_qp_amx_for) */
+/* SD_W_Q8 panels take int8 activations (SD_W_X8, below) where VPDPBUSD is at hand; sd_amx_init turns it off
+ * where AMX-INT8 tiles take large blocks, whose Q8 products are of 16-bit activations. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+int sd_q8_int8 = 1;
+#else
+int sd_q8_int8 = 0;
+#endif
 
 /* Which code path the linear layers take: 4 AMX tiles, 3 AVX512-BF16, 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int sd_simd_level(void) {
@@ -659,6 +666,9 @@ static void linear_panel_for(const float *x, const void *w, const bf16 *bias, bf
 /* Ask Linux for the tile state (a process-wide permission); 1 when granted: AMX is then used. */
 int sd_amx_init(void) {
     sd_amx_active = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#ifdef __AMX_INT8__
+    if (sd_amx_active) sd_q8_int8 = 0;
+#endif
     return sd_amx_active;
 }
 
@@ -1070,13 +1080,19 @@ void sd_linear_panels(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, 
  * of its block's largest, and off by at most 2^-15 of that largest otherwise: far below the bf16 rounding of
  * the layer's output. SD_W_Q4 layers (the bulk of a Q4 model) take them as int8 with a float scale per block
  * of 32, as llama.cpp does (q_quantize_input_i8): VPDPBUSD then multiplies 4 pairs per lane where VPDPWSSD
- * multiplies 2. With d_b the block's activation scale, sum_i q_i X_i is exact in int32, and
+ * multiplies 2. So do SD_W_Q8 layers on AVX512-VNNI CPUs without AMX-INT8 tiles (sd_q8_int8, SD_W_X8): their
+ * signed weights become unsigned bytes q + 128 (one XOR) times the int8 activations, and each block's sum
+ * starts from -128 sum_i X_i, so it is sum_i q_i X_i exactly: half the multiply instructions of 16-bit
+ * activations, for the error llama.cpp's Q8_0 dot products make (their first use here: SmolLM2's Q8_0 output
+ * layer, a fifth of a decoded row's arithmetic). With d_b the block's activation scale, sum_i q_i X_i is
+ * exact in int32, and
  *     y[m, n] = sum_b s_b * (d_b * sum_i q_i X_i) + m_b * (d_b * sum_i X_i)
  * in fp32: each (weight row, input row) pair keeps one 8-lane accumulator updated block by block in k order,
  * and the offset terms are one dot product over the row's blocks in a fixed order, so a row's bits do not
  * depend on the tile or on the number of rows. */
 /* Layouts of a linear layer's weights; SD_W_QPANELS | a GGUF layout: that layout's panels (below). */
-enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3, SD_W_PANELS = 4, SD_W_QPANELS = 8, SD_W_HALF = 16 };
+enum { SD_W_DENSE = 0, SD_W_Q4 = 1, SD_W_Q8 = 2, SD_W_Q8H = 3, SD_W_PANELS = 4, SD_W_QPANELS = 8, SD_W_HALF = 16,
+       SD_W_X8 = 32 /* inside the kernels only: SD_W_Q8 panels on int8 activations (sd_q8_int8) */ };
 #define SD_W_GGUF 3 /* the GGUF layout bits of a panel format (SD_W_HALF: its scales as fp16) */
 
 static inline int64_t q_block_elems(int fmt) { return (fmt & SD_W_GGUF) == SD_W_Q8H ? 16 : 32; }
@@ -1102,11 +1118,15 @@ typedef struct {
 
 static inline const int8_t *q_x8(q_input in) { return (const int8_t *)in.X; }
 
-/* The activations of rows m.. of `all` (SD_W_Q4's are int8: a row is K bytes). */
+/* Whether a layout's activations are int8 (SD_W_Q4, SD_W_Q8 | SD_W_X8), with an offset term per block. */
+static inline int q_int8_input(int fmt) { return (fmt & SD_W_GGUF) == SD_W_Q4 || (fmt & SD_W_X8); }
+
+/* The activations of rows m.. of `all` (int8 ones: a row is K bytes). */
 static inline q_input q_input_from(q_input all, int fmt, int64_t m, int64_t K) {
-    const int64_t nblk = K / q_block_elems(fmt);
-    const q_input in = {fmt == SD_W_Q4 ? (int16_t *)((int8_t *)all.X + m * K) : all.X + m * K,
-                        all.scale + m * nblk, fmt == SD_W_Q4 ? all.offset_in + m * nblk : NULL};
+    const int64_t nblk = K / q_block_elems(fmt & SD_W_GGUF);
+    const int i8 = q_int8_input(fmt);
+    const q_input in = {i8 ? (int16_t *)((int8_t *)all.X + m * K) : all.X + m * K, all.scale + m * nblk,
+                        i8 ? all.offset_in + m * nblk : NULL};
     return in;
 }
 
@@ -1159,7 +1179,9 @@ static inline float block_max_magnitude(const bf16 *xb, int64_t E) {
 #endif
 }
 
-static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in) {
+/* `q8`: SD_W_Q8 | SD_W_X8's offset term instead, -128 sum X (exact in fp32: |sum X| <= 32 * 127), what the sum
+ * of a block's products with the weights' unsigned bytes q + 128 starts from. */
+static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in, int q8) {
     const int64_t E = 32, blocks = M * K / E;
     int8_t *X8 = (int8_t *)in.X;
 #pragma omp for schedule(static)
@@ -1190,7 +1212,7 @@ static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in)
             if (e_max == 255) scale = NAN;
         }
         in.scale[b] = scale;
-        in.offset_in[b] = scale * (float)total;
+        in.offset_in[b] = q8 ? -128.0f * (float)total : scale * (float)total;
     }
 }
 
@@ -1200,8 +1222,8 @@ static void q_quantize_input_i8(const bf16 *x, int64_t M, int64_t K, q_input in)
  * depends on its own elements only); the arithmetic is exact except for rint (to nearest even, as lrintf in the
  * default rounding mode and VCVTPS2DQ). */
 static void q_quantize_input(const bf16 *x, int64_t M, int64_t K, int fmt, q_input in) {
-    if (fmt == SD_W_Q4) {
-        q_quantize_input_i8(x, M, K, in);
+    if (q_int8_input(fmt)) {
+        q_quantize_input_i8(x, M, K, in, fmt != SD_W_Q4);
         return;
     }
     const int64_t E = q_block_elems(fmt), blocks = M * K / E;
@@ -1689,7 +1711,7 @@ static inline __m512 qp_scales(const uint8_t *p, int half) {
 static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t *w, q_input in, int64_t K,
                                                           int64_t panel_bytes, const bf16 *bias, bf16 *y,
                                                           int64_t N, int64_t n0, int mb) {
-    const int half = (fmt & SD_W_HALF) != 0;
+    const int half = (fmt & SD_W_HALF) != 0, x8 = (fmt & SD_W_X8) != 0;
     fmt &= SD_W_GGUF;
     const int64_t E = q_block_elems(fmt), PB = qp_block_bytes(fmt | (half ? SD_W_HALF : 0)), nblk = K / E;
     const int64_t SC = half ? 32 : 64; /* bytes of the block's 16 scales (and of Q4's 16 offsets) */
@@ -1704,7 +1726,8 @@ static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t
         const int split = mb == 1 ? 4 : mb <= 4 ? 2 : 1;
         __m512i isum[QP_MB][4];
         for (int j = 0; j < mb; j++)
-            for (int a = 0; a < split; a++) isum[j][a] = _mm512_setzero_si512();
+            for (int a = 0; a < split; a++)
+                isum[j][a] = x8 && a == 0 ? _mm512_set1_epi32((int32_t)in.offset_in[j * nblk + b]) : _mm512_setzero_si512();
         const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 2 * SC : SC);
         if (fmt == SD_W_Q4) { /* 4 x 64 bytes, each two quads of 4 elements (low and high nibbles) */
             for (int h = 0; h < 4; h++) {
@@ -1717,6 +1740,24 @@ static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t
                         memcpy(&xquad, q_x8(in) + j * K + b * E + 4 * quad, 4);
                         isum[j][quad % split] = qp_dot_u8(isum[j][quad % split], wq[t], _mm512_set1_epi32(xquad));
                     }
+                }
+            }
+        } else if (x8) { /* quad q: pairs 2q and 2q + 1 (32 bytes each), each output's two pairs made one lane.
+                          * Loaded as halves: a block is 32 bytes past a cache line's start every other time,
+                          * and a 64-byte load would then straddle two lines (SmolLM2's output layer, one row:
+                          * 27% slower). */
+            const __m512i quad_order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+            for (int q = 0; q < 8; q++) {
+                const __m512i first = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(quants + 64 * q)));
+                const __m512i second =
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(quants + 64 * q + 32)));
+                const __m512i wq = _mm512_xor_si512(_mm512_permutex2var_epi16(first, quad_order, second),
+                                                    _mm512_set1_epi8((char)0x80)); /* q + 128, unsigned */
+                for (int j = 0; j < mb; j++) {
+                    int32_t xquad;
+                    memcpy(&xquad, q_x8(in) + j * K + b * E + 4 * q, 4);
+                    isum[j][q % split] = qp_dot_u8(isum[j][q % split], wq, _mm512_set1_epi32(xquad));
                 }
             }
         } else { /* pairs c0 + a in turn; a is a constant after unrolling (an index computed at run time kept
@@ -1777,13 +1818,17 @@ static void qp_panel_rows(q_input all, const uint8_t *wp, int fmt, const bf16 *b
                           int64_t N, int64_t K, int64_t p, int64_t panel_bytes) {
     for (int64_t m = first; m < M;) {
         const int mb = qp_chunk(M - first, m - first);
-        const q_input in = q_input_from(all, fmt & SD_W_GGUF, m, K);
+        const q_input in = q_input_from(all, fmt & (SD_W_GGUF | SD_W_X8), m, K);
 #define QP_CALL(F, R) qp_tile(F, wp, in, K, panel_bytes, bias, y + m * N, N, p * QPANEL, R)
         switch (fmt) { /* constant formats: each its own unrolled tile */
             case SD_W_Q4: QP_ROWS_SWITCH(SD_W_Q4) break;
             case SD_W_Q4 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q4 | SD_W_HALF) break;
             case SD_W_Q8: QP_ROWS_SWITCH(SD_W_Q8) break;
             case SD_W_Q8 | SD_W_HALF: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_HALF) break;
+#ifdef __AVX512VNNI__
+            case SD_W_Q8 | SD_W_X8: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_X8) break;
+            case SD_W_Q8 | SD_W_HALF | SD_W_X8: QP_ROWS_SWITCH(SD_W_Q8 | SD_W_HALF | SD_W_X8) break;
+#endif
             case SD_W_Q8H: QP_ROWS_SWITCH(SD_W_Q8H) break;
             default: QP_ROWS_SWITCH(SD_W_Q8H | SD_W_HALF) break;
         }
@@ -2015,11 +2060,14 @@ static void linear_qp_amx_for(q_input in, const uint8_t *w, int fmt, const bf16 
 static void linear_qp(const bf16 *x, const uint8_t *w, int fmt, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                       int64_t K, float *scratch) {
     const q_input in = q_input_at(scratch, M, K);
-    q_quantize_input(x, M, K, fmt & SD_W_GGUF, in);
+#ifdef __AVX512VNNI__
+    if ((fmt & SD_W_GGUF) == SD_W_Q8 && sd_q8_int8) fmt |= SD_W_X8;
+#endif
+    q_quantize_input(x, M, K, fmt & (SD_W_GGUF | SD_W_X8), in);
 #ifdef SD_AMX_INT8
     /* Q8 layers (16-bit activations: VPDPWSSD, half VPDPBUSD's products an instruction) gain from half as many */
     const int64_t from = (fmt & SD_W_GGUF) == SD_W_Q8 ? sd_q_amx_rows / 2 : sd_q_amx_rows;
-    if (sd_amx_active && sd_q_amx_rows > 0 && M >= from) {
+    if (sd_amx_active && sd_q_amx_rows > 0 && M >= from && !(fmt & SD_W_X8)) {
         linear_qp_amx_for(in, w, fmt, bias, y, M, N, K);
         return;
     }
@@ -2865,6 +2913,18 @@ void sd_topk_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t k, i
         }
         for (int64_t j = 0; j < k; j++) out[r * k + j] = j < n ? idx[j] : 0;
     }
+}
+
+/* Whether SD_W_Q8 panels take int8 activations (on: 1 or 0 sets it where VPDPBUSD is at hand, -1 only asks); the
+ * value before. */
+int sd_q8_int8_set(int on) {
+    const int previous = sd_q8_int8;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    if (on >= 0) sd_q8_int8 = on != 0;
+#else
+    (void)on;
+#endif
+    return previous;
 }
 
 /* Whether GGUF panels can take AMX-INT8 tiles in this build and process (sd_q_amx_rows sets from when). */

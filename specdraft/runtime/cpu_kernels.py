@@ -13,7 +13,9 @@ AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one 
 (decoding one token included), so the bits never depend on the block. `SPECDRAFT_KERNEL_AMX=0` keeps an AMX
 CPU on the AVX512-BF16 path. GGUF-native layers multiply with VNNI integer dot products, and blocks of 48
 rows or more (24 on 8-bit layers) on AMX-INT8 tiles where the CPU has them (the same bits;
-`SPECDRAFT_Q_AMX_ROWS` moves the threshold, 0 keeps them on VNNI). Where a CPU retires AVX512-BF16 dot
+`SPECDRAFT_Q_AMX_ROWS` moves the threshold, 0 keeps them on VNNI). Their activations are int8 per block of
+32 as llama.cpp's are, except 8-bit layers on CPUs with AMX-INT8 tiles, which keep 16 bits
+(`q8_int8_activations`, `SPECDRAFT_Q8_INT8`). Where a CPU retires AVX512-BF16 dot
 products at less than half the rate of fp32 FMAs (measured once per CPU, `bf16_dot_pays`), the native build
 leaves them out and takes the AVX-512 path.
 
@@ -196,6 +198,7 @@ _SIGNATURES = {
     "sd_linear_qp": ([_P, _P, ctypes.c_int, _P, _P, _I, _I, _I, _P, ctypes.c_int], None),
     "sd_q_panels": ([], ctypes.c_int),
     "sd_q_amx": ([], ctypes.c_int),
+    "sd_q8_int8_set": ([ctypes.c_int], ctypes.c_int),
     "sd_qp_panel_bytes": ([ctypes.c_int, _I], _I),
     "sd_q_to_panels": ([_P, ctypes.c_int, _I, _I, _P, ctypes.c_int], None),
     "sd_q_rows_from_panels": ([_P, ctypes.c_int, _I, _P, _I, _P, ctypes.c_int], None),
@@ -238,6 +241,13 @@ def load() -> ctypes.CDLL | None:
             else:  # a tuning knob: say so, keep the default, keep the kernels
                 warnings.warn(f"specdraft: SPECDRAFT_Q_AMX_ROWS must be an integer >= 0, got {rows!r}; "
                               f"keeping {q_amx_rows()}", stacklevel=2)
+        int8 = os.environ.get("SPECDRAFT_Q8_INT8")
+        if int8 is not None:  # 8-bit GGUF layers on int8 (1) or 16-bit (0) activations (q8_int8_activations)
+            if int8.strip() in ("0", "1"):
+                q8_int8_activations(int8.strip() == "1")
+            else:
+                warnings.warn(f"specdraft: SPECDRAFT_Q8_INT8 must be 0 or 1, got {int8!r}; keeping "
+                              f"{int(q8_int8_activations())}", stacklevel=2)
     except (OSError, RuntimeError) as exc:
         _load_error = str(exc)
         warnings.warn(f"specdraft: fused CPU kernels unavailable, using PyTorch ops ({exc})", stacklevel=2)
@@ -362,6 +372,16 @@ def q_amx_rows(rows: int | None = None) -> int:
             raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
         setting.value = rows
     return previous
+
+
+def q8_int8_activations(on: bool | None = None) -> bool:
+    """Whether GGUF-native 8-bit layers (Q8_0, Q5_0) take their activations as int8 per block of 32, as
+    llama.cpp's Q8_0 dot products do (half the multiplies of the 16-bit activations they take otherwise): on
+    by default where the CPU has AVX512-VNNI and no AMX-INT8 tiles (which multiply large blocks of 16-bit
+    activations, and must give every row the bits the panels give it). Every row gets the same bits in any
+    block either way. `on` sets it (as `SPECDRAFT_Q8_INT8=0|1` does at load; no effect without VNNI); returns
+    the value before."""
+    return bool(_lib.sd_q8_int8_set(-1 if on is None else int(bool(on))))
 
 
 def q_panels(packed: torch.Tensor, fmt: int, in_features: int, half_scales: bool = True
