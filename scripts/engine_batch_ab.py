@@ -4,9 +4,9 @@ requests of each batched round `plan_batch_drafts` let draft. With `--concurrenc
 own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter held to plain rounds
 whenever two or more requests run (a lone request still drafts): what drafting's choices cost or gain,
 apart from the drafter's bookkeeping. Each engine's time is also split into prompt forwards (prefill) and
-decode rounds. `--q8-16bit` adds plain decoding with the GGUF-native 8-bit layers on 16-bit activations
-(`cpu_kernels.q8_int8_activations(False)` while it runs), against their int8 default where the CPU has VNNI
-and no AMX-INT8.
+decode rounds. `--q8-16bit` adds a twin of every engine whose GGUF-native 8-bit layers take 16-bit
+activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against their int8 default where the
+CPU has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
         [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting] [--q8-16bit]
@@ -58,8 +58,13 @@ def main() -> None:
         engines[f"{args.drafter}-cap0"] = held
     int8_of: dict[str, bool] = {}  # engines run with 8-bit layers' activations set so
     if args.q8_16bit:
-        engines["plain-q8-16bit"] = build_engine(model, tokenizer, None, max_batch=args.concurrency)
-        int8_of["plain-q8-16bit"] = False
+        for name in list(engines):
+            twin = build_engine(model, tokenizer, None if name == "plain" else args.drafter, 5,
+                                max_batch=args.concurrency)
+            if name.endswith("-cap0"):
+                hold_batches(twin)
+            engines[f"{name}-q8-16bit"] = twin
+            int8_of[f"{name}-q8-16bit"] = False
     spent = {name: {"prefill": 0.0, "decode": 0.0} for name in engines}
     for name, engine in engines.items():
         for part, method in (("prefill", "_prefill"), ("decode", "_decode_round")):
@@ -90,10 +95,15 @@ def main() -> None:
               f"runs {' '.join(f'{r:.0f}' for r in runs)}  (time in prompt forwards "
               f"{spent[name]['prefill'] / walls[name]:.0%}, decode rounds {spent[name]['decode'] / walls[name]:.0%})")
     for name in engines:
-        if name != "plain":
+        if name != "plain" and name not in int8_of:
             ratios = [d / p for p, d in zip(rates["plain"], rates[name])]
             print(f"{name} / plain per pass: {' '.join(f'{r:.3f}' for r in ratios)}  "
                   f"median {statistics.median(ratios):.3f}")
+    for name in int8_of:
+        original = name.removesuffix("-q8-16bit")
+        ratios = [t / o for o, t in zip(rates[original], rates[name])]
+        print(f"{name} / {original} per pass: {' '.join(f'{r:.3f}' for r in ratios)}  "
+              f"median {statistics.median(ratios):.3f}")
     planner = engines[args.drafter].planner
     if planner is not None:
         print("forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds): "

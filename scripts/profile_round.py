@@ -57,6 +57,9 @@ def main() -> None:
     for name in ("_target_argmax", "_target_topk", "for_reduction", "verify_batch", "_tree_layout"):
         timed(core, name, name.lstrip("_"))
     timed(type(engine), "_accept", "accept")
+    timed(type(engine), "_draft_budget", "draft budgets")
+    timed(type(engine), "_plan_batch", "batch plan")
+    timed(type(engine), "_learn_from_batch", "batch learning")
     timed(type(engine), "_decode_round", "whole round")
     timed(type(engine), "_prefill", "prefill")
     if engine.drafter is not None:
