@@ -1,8 +1,9 @@
 """Forward ms of a model at a few block shapes (B sequences x T new tokens after 100 committed tokens each,
 median of 5 means of 16 forwards), optionally beside a process that takes a slice of a core. The figures
 behind stop 30's fp16 panel scales and guided panel loops: run it in two checkouts, alternately, to compare.
-`--ab-q8-int8 N` instead times every shape N times with the GGUF-native 8-bit layers on 16-bit and on int8
-activations in turn (`cpu_kernels.q8_int8_activations`), in one process, and prints the medians and ratios.
+`--ab-q8-int8 N` instead times every shape N times with the GGUF-native 8-bit output layer on 16-bit and on
+int8 activations in turn (`cpu_kernels.q8_int8_activations`), in one process, and prints the medians and
+ratios.
 
     python scripts/bench_forward_shapes.py [--model smollm2-135m] [--dtype gguf] [--shapes 1x1,8x1,1x8]
         [--busy 0.1] [--ab-q8-int8 5]
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x1,8x1,1x8,1x32", help="BxT, comma-separated")
     parser.add_argument("--busy", type=float, default=0.0, help="fraction of a core another process spins")
     parser.add_argument("--ab-q8-int8", type=int, default=0, metavar="N",
-                        help="alternate 8-bit layers' 16-bit and int8 activations, N times per shape")
+                        help="alternate the 8-bit output layer's 16-bit and int8 activations, N times per shape")
     args = parser.parse_args()
     model = load_model(args.model, dtype=args.dtype, progress=False)
     spinner = subprocess.Popen([sys.executable, "-c", SPINNER, str(args.busy)]) if args.busy > 0 else None

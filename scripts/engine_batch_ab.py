@@ -4,9 +4,9 @@ requests of each batched round `plan_batch_drafts` let draft. With `--concurrenc
 own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter held to plain rounds
 whenever two or more requests run (a lone request still drafts): what drafting's choices cost or gain,
 apart from the drafter's bookkeeping. Each engine's time is also split into prompt forwards (prefill) and
-decode rounds. `--q8-16bit` adds a twin of every engine whose GGUF-native 8-bit layers take 16-bit
-activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against their int8 default where the
-CPU has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
+decode rounds. `--q8-16bit` adds a twin of every engine whose GGUF-native 8-bit output layer takes 16-bit
+activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against the int8 default where the CPU
+has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
         [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting] [--q8-16bit]
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--no-batch-drafting", action="store_true",
                         help="also run the drafter held to plain rounds whenever two or more requests run")
     parser.add_argument("--q8-16bit", action="store_true",
-                        help="also run plain decoding with 8-bit GGUF layers on 16-bit activations")
+                        help="also run every engine with the 8-bit GGUF output layer on 16-bit activations")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)

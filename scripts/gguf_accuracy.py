@@ -5,8 +5,8 @@ every runtime then scores the whole sequence, and at every position we compare i
 max |difference| (median and worst over prompts) and top-1 agreement. Runtimes: ours in bf16, ours on the
 GGUF blocks (`gguf`), and llama.cpp on the same file (llama-cpp-python, if installed). A whole sequence in
 one forward takes the GGUF runtime's prompt path (a GEMM); `gguf, blocks of 8` scores it 8 tokens a forward,
-the integer kernels decoding and verification use, with 8-bit layers (Q8_0: SmolLM2's output layer) on
-16-bit and on int8 activations (`cpu_kernels.q8_int8_activations`, where the CPU has VNNI).
+the integer kernels decoding and verification use, with the 8-bit output layer (Q8_0 in both bundled models)
+on 16-bit and on int8 activations (`cpu_kernels.q8_int8_activations`, where the CPU has VNNI).
 
     python scripts/gguf_accuracy.py --model smollm2-135m --prompts 6
 """
@@ -94,7 +94,7 @@ def main() -> None:
             for int8 in (False, True):
                 cpu_kernels.q8_int8_activations(int8)
                 if cpu_kernels.q8_int8_activations() == int8:
-                    name = f"gguf, blocks of 8, 8-bit layers on {'int8' if int8 else '16-bit'} activations"
+                    name = f"gguf, blocks of 8, output layer on {'int8' if int8 else '16-bit'} activations"
                     runs[name] = [ours_in_blocks(model, s) for s in seqs]
             cpu_kernels.q8_int8_activations(before)
         del model

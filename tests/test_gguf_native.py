@@ -113,25 +113,28 @@ def test_row_order_matches_reordered_rows_and_rejects_foreign_ones():
     assert row_order(rows, other) is None
 
 
-def native_linear(qtype, out_features: int, in_features: int, seed: int, bias: bool = False) -> GGUFLinear:
+def native_linear(qtype, out_features: int, in_features: int, seed: int, bias: bool = False,
+                  int8_activations: bool = False) -> GGUFLinear:
     fmt, packed, _ = repack(raw_tensor(qtype, out_features, in_features, seed), qtype, in_features)
     b = torch.randn(out_features, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16) if bias else None
-    return GGUFLinear(torch.from_numpy(packed), fmt, in_features, out_features, b)
+    return GGUFLinear(torch.from_numpy(packed), fmt, in_features, out_features, b, int8_activations)
 
 
 def int8_activation_error(x: torch.Tensor, layer: GGUFLinear) -> torch.Tensor | float:
-    """What quantizing the activations to int8 per block of 32 (Q4 layouts, and Q8 ones where
+    """What quantizing the activations to int8 per block of 32 (Q4 layouts, and Q8 ones that ask for it where
     `q8_int8_activations` says so; as llama.cpp: step amax / 127) can move each output at most: half a step an
-    element, times |w|. Other layouts keep 16 bits: 0."""
-    if not (layer.fmt == Q4 or (layer.fmt == Q8 and cpu_kernels.q8_int8_activations())):
+    element, times |w|. Other layers keep 16 bits: 0."""
+    int8 = layer.fmt == Q4 or (layer.fmt == Q8 and layer.int8_activations and cpu_kernels.q8_int8_activations())
+    if not int8:
         return 0.0
     xf = x.float().view(x.shape[0], -1, 32)
     half_step = (xf.abs().amax(-1, keepdim=True) / 127 / 2).expand_as(xf).reshape(x.shape[0], -1)
     return half_step @ layer.dequantize().abs().T
 
 
-def check_native_linear(qtype, rows: int) -> None:
-    layer = native_linear(qtype, 37, 512, seed=rows, bias=True)  # 37 outputs: partial tiles at the end
+def check_native_linear(qtype, rows: int, int8_activations: bool = False) -> None:
+    # 37 outputs: partial tiles at the end
+    layer = native_linear(qtype, 37, 512, seed=rows, bias=True, int8_activations=int8_activations)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows + 100)).to(torch.bfloat16)
     reference = x.float() @ layer.dequantize().T + layer.bias.float()
     # Exact weights; activations at 16 bits per block (int8 for Q4 layouts: their own bound) and the summation
@@ -162,12 +165,13 @@ def test_native_linear_matches_fp32_and_rows_are_independent(qtype, rows):
 @needs_kernels
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)
 def test_8bit_layers_on_16bit_and_on_int8_activations_match_fp32_and_keep_rows_independent(qtype):
-    """8-bit layouts take int8 activations where the CPU has VPDPBUSD and no AMX-INT8 tiles (their weights as
-    unsigned q + 128, each block's sum started at -128 sum X), 16-bit ones otherwise: each way within its
-    own bound of the fp32 reference, every row the bits it gets alone, at any block size (the int8 way runs
-    wherever this CPU has VNNI, whatever the default)."""
+    """An 8-bit layer that asks for int8 activations (the output layer) takes them where the CPU has VPDPBUSD
+    and no AMX-INT8 tiles (its weights as unsigned q + 128, each block's sum started at -128 sum X), 16-bit
+    ones otherwise: each way within its own bound of the fp32 reference, every row the bits it gets alone, at
+    any block size (the int8 way runs wherever this CPU has VNNI, whatever the default). A layer that does
+    not ask keeps 16 bits either way."""
     before = cpu_kernels.q8_int8_activations()
-    layer = native_linear(qtype, 37, 512, seed=3, bias=True)
+    asks, inner = (native_linear(qtype, 37, 512, seed=3, bias=True, int8_activations=int8) for int8 in (True, False))
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     outputs = {}
     try:
@@ -176,12 +180,14 @@ def test_8bit_layers_on_16bit_and_on_int8_activations_match_fp32_and_keep_rows_i
             if cpu_kernels.q8_int8_activations() != int8:
                 continue  # no VNNI in this build
             for rows in (1, 2, 5, 8, 17, 33, 150):
-                check_native_linear(qtype, rows)
-            outputs[int8] = layer(x, exact_rows=True)
+                check_native_linear(qtype, rows, int8_activations=True)
+            outputs[int8] = asks(x, exact_rows=True), inner(x, exact_rows=True)
     finally:
         cpu_kernels.q8_int8_activations(before)
-    if len(outputs) == 2:
-        assert not torch.equal(outputs[False], outputs[True])  # the switch does change the arithmetic
+    assert torch.equal(outputs[False][0], outputs[False][1])  # switched off, asking changes nothing
+    if True in outputs:
+        assert not torch.equal(outputs[False][0], outputs[True][0])  # the switch does change the arithmetic
+        assert torch.equal(outputs[False][1], outputs[True][1])  # of the layer that asks only
 
 
 @needs_kernels
@@ -379,13 +385,14 @@ def native_copy(model, types=(T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_0)):
     fmt, packed, weights = repack(raw, T.Q8_0, cfg.hidden_size)
     model.embed = GGUFEmbedding(torch.from_numpy(packed), fmt, cfg.vocab_size, cfg.hidden_size)
     reference.embed.weight = torch.nn.Parameter(torch.from_numpy(weights).bfloat16().float(), requires_grad=False)
-    if cfg.tie_word_embeddings:
-        model.lm_head = GGUFLinear(model.embed.packed, fmt, cfg.hidden_size, cfg.vocab_size)
+    if cfg.tie_word_embeddings:  # the output layer asks for int8 activations, as the loader's does
+        model.lm_head = GGUFLinear(model.embed.packed, fmt, cfg.hidden_size, cfg.vocab_size, int8_activations=True)
         reference.lm_head.weight = torch.nn.Parameter(torch.from_numpy(weights), requires_grad=False)
     else:
         raw = gguf.quants.quantize(model.lm_head.weight.float().numpy(), T.Q4_1)
         fmt, packed, weights = repack(raw, T.Q4_1, cfg.hidden_size)
-        model.lm_head = GGUFLinear(torch.from_numpy(packed), fmt, cfg.hidden_size, cfg.vocab_size)
+        model.lm_head = GGUFLinear(torch.from_numpy(packed), fmt, cfg.hidden_size, cfg.vocab_size,
+                                   int8_activations=True)
         reference.lm_head.weight.copy_(torch.from_numpy(weights))
     return model, reference
 
@@ -454,6 +461,7 @@ def test_native_kernels_on_every_path_this_cpu_can_run(monkeypatch, tmp_path, ma
         check_kernel_dequantization(qtype)
         for rows in (1, 5, 17, 150):
             check_native_linear(qtype, rows)
+            check_native_linear(qtype, rows, int8_activations=True)  # an output layer's: int8 where supported
     for family in NATIVE_FAMILIES:
         check_native_blocks(family, 60, 8)
     check_prefill_chunks(native_copy(kernel_model("llama", seed=7))[0], monkeypatch)
@@ -478,6 +486,9 @@ def test_smollm2_runs_natively_as_close_to_fp32_as_bf16(smollm2_native):
     report = smollm2_native.native_report
     assert not report.dense, report.dense
     assert report.native["embed"] == "q8" and report.native["layers.0.attn.wqkv"] == "q4"
+    # the output layer asks for int8 activations (taken where the CPU has VNNI and no AMX-INT8), no other
+    assert smollm2_native.lm_head.int8_activations
+    assert not any(m.int8_activations for m in smollm2_native.layers.modules() if isinstance(m, GGUFLinear))
     bf16 = load_model("smollm2-135m", progress=False)
     fp32 = load_model("smollm2-135m", dtype="fp32", progress=False)
     assert native_bytes(smollm2_native) < 0.45 * sum(p.numel() * 2 for p in bf16.parameters())

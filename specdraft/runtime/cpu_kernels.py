@@ -14,8 +14,8 @@ AVX512-BF16 (AMD Zen 4), AVX-512, AVX2 + FMA, or portable C. A process uses one 
 CPU on the AVX512-BF16 path. GGUF-native layers multiply with VNNI integer dot products, and blocks of 48
 rows or more (24 on 8-bit layers) on AMX-INT8 tiles where the CPU has them (the same bits;
 `SPECDRAFT_Q_AMX_ROWS` moves the threshold, 0 keeps them on VNNI). Their activations are int8 per block of
-32 as llama.cpp's are, except 8-bit layers on CPUs with AMX-INT8 tiles, which keep 16 bits
-(`q8_int8_activations`, `SPECDRAFT_Q8_INT8`). Where a CPU retires AVX512-BF16 dot
+32 as llama.cpp's are, those of 8-bit layers 16 bits, except an 8-bit output layer on CPUs with VNNI and no
+AMX-INT8 tiles (`q8_int8_activations`, `SPECDRAFT_Q8_INT8`). Where a CPU retires AVX512-BF16 dot
 products at less than half the rate of fp32 FMAs (measured once per CPU, `bf16_dot_pays`), the native build
 leaves them out and takes the AVX-512 path.
 
@@ -163,6 +163,7 @@ class LayerPointers(ctypes.Structure):
 # bf16 panels (`panels`); QPANELS | a GGUF layout (| HALF: scales as fp16): its panels (`q_panels`).
 DENSE, Q4, Q8, Q8H, PANELS, QPANELS, HALF = 0, 1, 2, 3, 4, 8, 16
 GGUF = 3  # the GGUF layout bits of a panel layout
+X8 = 32  # a Q8 layer's activations asked for as int8 (`linear_q(int8_activations=True)`)
 
 
 class ModelShape(ctypes.Structure):
@@ -375,12 +376,12 @@ def q_amx_rows(rows: int | None = None) -> int:
 
 
 def q8_int8_activations(on: bool | None = None) -> bool:
-    """Whether GGUF-native 8-bit layers (Q8_0, Q5_0) take their activations as int8 per block of 32, as
-    llama.cpp's Q8_0 dot products do (half the multiplies of the 16-bit activations they take otherwise): on
-    by default where the CPU has AVX512-VNNI and no AMX-INT8 tiles (which multiply large blocks of 16-bit
-    activations, and must give every row the bits the panels give it). Every row gets the same bits in any
-    block either way. `on` sets it (as `SPECDRAFT_Q8_INT8=0|1` does at load; no effect without VNNI); returns
-    the value before."""
+    """Whether GGUF-native 8-bit layers (Q8_0, Q5_0) that ask for it (`linear_q(int8_activations=True)`: the
+    output layer, `gguf_native.attach_native`) take their activations as int8 per block of 32, as llama.cpp's
+    Q8_0 dot products do, with half the multiplies of 16-bit activations: on by default where the CPU has
+    AVX512-VNNI and no AMX-INT8 tiles (which multiply large blocks of 16-bit activations, and must give every
+    row the bits the panels give it). Every row gets the same bits in any block either way. `on` sets it (as
+    `SPECDRAFT_Q8_INT8=0|1` does at load; no effect without VNNI); returns the value before."""
     return bool(_lib.sd_q8_int8_set(-1 if on is None else int(bool(on))))
 
 
@@ -436,23 +437,24 @@ def linear_i8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias:
 
 
 def linear_q(x: torch.Tensor, packed: torch.Tensor, fmt: int, bias: torch.Tensor | None, out_features: int,
-             threads: int, half_scales: bool = True) -> torch.Tensor:
+             threads: int, half_scales: bool = True, int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ the GGUF-native weight `packed` (uint8 [N, row bytes] in layout `fmt`, or its panels
     with fmt = QPANELS | their layout)^T + bias, bf16 out:
-    the file's exact weights, activations as int8 (Q4 layouts) or 16-bit integers per block (see
-    cpu_kernels.c); each row's bits independent of M, and of `half_scales` (panels holding fp16 scales where
-    they are exact: `q_panels`)."""
+    the file's exact weights, activations as int8 (Q4 layouts; Q8 ones with `int8_activations` where
+    `q8_int8_activations()`) or 16-bit integers per block (see cpu_kernels.c); each row's bits independent of
+    M, and of `half_scales` (panels holding fp16 scales where they are exact: `q_panels`)."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
     scratch = torch.empty(_lib.sd_q_scratch_floats(M, K), dtype=torch.float32)
+    asked = X8 if int8_activations else 0
     if fmt & QPANELS:  # `packed` holds panels already (`q_panels`), in layout fmt & ~QPANELS
-        _lib.sd_linear_qp(x.data_ptr(), packed.data_ptr(), fmt & ~QPANELS, _ptr(bias), y.data_ptr(), M,
+        _lib.sd_linear_qp(x.data_ptr(), packed.data_ptr(), fmt & ~QPANELS | asked, _ptr(bias), y.data_ptr(), M,
                           out_features, K, scratch.data_ptr(), threads)
     elif q_panels_active():
         weights, layout = q_panels(packed, fmt, K, half_scales)
-        _lib.sd_linear_qp(x.data_ptr(), weights.data_ptr(), layout, _ptr(bias), y.data_ptr(), M, out_features, K,
-                          scratch.data_ptr(), threads)
+        _lib.sd_linear_qp(x.data_ptr(), weights.data_ptr(), layout | asked, _ptr(bias), y.data_ptr(), M,
+                          out_features, K, scratch.data_ptr(), threads)
     else:
         _lib.sd_linear_q(x.data_ptr(), packed.data_ptr(), fmt, _ptr(bias), y.data_ptr(), M, out_features, K,
                          scratch.data_ptr(), threads)

@@ -249,10 +249,13 @@ class GGUFLinear(nn.Module):
     kernels it dequantizes and runs an fp32 matmul (correct, slow)."""
 
     def __init__(self, packed: torch.Tensor | QuantMatrix, fmt: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, int8_activations: bool = False) -> None:
+        """int8_activations: an 8-bit layout takes int8 activations where the kernels do so
+        (`cpu_kernels.q8_int8_activations`): the output layer's, not those inside the model."""
         super().__init__()
         self.matrix = _matrix(packed, fmt, in_features, out_features)
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.int8_activations = int8_activations
         self.register_buffer("bias", bias)
 
     @property
@@ -276,7 +279,8 @@ class GGUFLinear(nn.Module):
         if x.device.type == "cpu" and rows and cpu_kernels.available():
             flat = x.reshape(rows, self.in_features).to(torch.bfloat16)
             weights, layout = self.matrix.kernel_weights()
-            y = cpu_kernels.linear_q(flat, weights, layout, self.bias, self.out_features, torch.get_num_threads())
+            y = cpu_kernels.linear_q(flat, weights, layout, self.bias, self.out_features, torch.get_num_threads(),
+                                     int8_activations=self.int8_activations)
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
@@ -438,10 +442,12 @@ def attach_native(model: nn.Module, packed: dict[str, torch.Tensor], meta: dict)
         model.embed = GGUFEmbedding(packed["embed"], fmt, cfg.vocab_size, cfg.hidden_size)
         report.native["embed"] = FORMAT_NAMES[fmt]
         if cfg.tie_word_embeddings:
-            model.lm_head = GGUFLinear(model.embed.matrix, fmt, cfg.hidden_size, cfg.vocab_size)
+            model.lm_head = GGUFLinear(model.embed.matrix, fmt, cfg.hidden_size, cfg.vocab_size,
+                                       int8_activations=True)
             report.native["lm_head"] = FORMAT_NAMES[fmt]
     if "lm_head" in packed:
-        model.lm_head = GGUFLinear(packed["lm_head"], formats["lm_head"], cfg.hidden_size, cfg.vocab_size)
+        model.lm_head = GGUFLinear(packed["lm_head"], formats["lm_head"], cfg.hidden_size, cfg.vocab_size,
+                                   int8_activations=True)
         report.native["lm_head"] = FORMAT_NAMES[formats["lm_head"]]
     for name, tensor in packed.items():
         if not name.startswith("layers."):
