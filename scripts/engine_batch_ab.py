@@ -48,7 +48,8 @@ def main() -> None:
     model = load_model(args.model, dtype=args.dtype)
     suite = load_suite(args.suite)
     count = args.requests or 2 * args.concurrency
-    prompts = [tokenizer.prompt_ids(suite[i % len(suite)].turns[0], chat=True) for i in range(count)]
+    chat = tokenizer.has_chat_template  # a base model (Gemma 3 270M) takes the plain text
+    prompts = [tokenizer.prompt_ids(suite[i % len(suite)].turns[0], chat=chat) for i in range(count)]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)] * len(prompts)
     engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
