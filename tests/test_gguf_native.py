@@ -251,8 +251,9 @@ def test_the_8bit_activation_switch_reads_the_environment_and_a_bad_value_keeps_
 
 
 @needs_kernels
-def test_native_linear_propagates_non_finite_inputs():
-    layer = native_linear(T.Q8_0, 5, 64, seed=4)
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["16-bit", "int8-where-supported"])
+def test_native_linear_propagates_non_finite_inputs(int8_activations):
+    layer = native_linear(T.Q8_0, 5, 64, seed=4, int8_activations=int8_activations)
     x = torch.randn(2, 64).to(torch.bfloat16)
     x[1, 7] = float("nan")
     y = layer(x, exact_rows=True)
