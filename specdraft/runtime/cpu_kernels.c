@@ -1729,8 +1729,9 @@ static inline __attribute__((always_inline)) void qp_tile(int fmt, const uint8_t
         const int split = mb == 1 ? 4 : mb <= 4 ? 2 : 1;
         __m512i isum[QP_MB][4];
         for (int j = 0; j < mb; j++)
-            for (int a = 0; a < split; a++)
-                isum[j][a] = x8 && a == 0 ? _mm512_set1_epi32((int32_t)in.offset_in[j * nblk + b]) : _mm512_setzero_si512();
+            for (int a = 0; a < split; a++) /* SD_W_X8: from -128 sum X (q_quantize_input_i8) */
+                isum[j][a] = x8 && a == 0 ? _mm512_set1_epi32((int32_t)in.offset_in[j * nblk + b])
+                                          : _mm512_setzero_si512();
         const uint8_t *quants = blk + (fmt == SD_W_Q4 ? 2 * SC : SC);
         if (fmt == SD_W_Q4) { /* 4 x 64 bytes, each two quads of 4 elements (low and high nibbles) */
             for (int h = 0; h < 4; h++) {
@@ -2916,8 +2917,8 @@ void sd_topk_rows(const void *x, int is_bf16, int64_t R, int64_t V, int64_t k, i
     }
 }
 
-/* Whether SD_W_Q8 panels take int8 activations (on: 1 or 0 sets it where VPDPBUSD is at hand, -1 only asks); the
- * value before. */
+/* Whether SD_W_Q8 panels asked for int8 activations (SD_W_X8) take them (on: 1 or 0 sets it where VPDPBUSD is
+ * at hand, -1 only asks); the value before. */
 int sd_q8_int8_set(int on) {
     const int previous = sd_q8_int8;
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
