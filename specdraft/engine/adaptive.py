@@ -145,8 +145,8 @@ class ForwardCostTable:
     the batch is the difference between two entries of this table. That difference is the machine's, not a
     formula's: on a CPU whose kernels tile rows by four, rows up to the fourth cost little and the fifth
     more than the three before it together (SmolLM2-135M Q4 on Zen 4: 2 rows 4.2 ms, 4 rows 4.7, 5 rows 5.4;
-    other runs 4 rows 5.0, 5 rows 7.6), and where the
-    forward is compute-bound every row costs most of what an average one does. Every batched round adds its
+    other runs 4 rows 5.0, 5 rows 7.6), and where the forward is compute-bound every row costs most of what
+    an average one does. Every batched round adds its
     measurement (an average over recent rounds per row count; a lone request's one-slot block is another
     forward and is left out).
 

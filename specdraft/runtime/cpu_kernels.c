@@ -1112,10 +1112,11 @@ int64_t sd_q_prefetch = 16; /* weight rows ahead that each block's line is prefe
 #define QMB_MAX 8    /* input rows per tile (one weight row) from two input rows on */
 
 /* The activations of one call in integer form, carved from `scratch` (q_scratch_floats(M, K) floats):
- * X int16 [M, K] (SD_W_Q4: int8); scale [M, K / E] (d of each block); offset_in [M, K / E] (SD_W_Q4 only:
- * d * sum X of each block, what the block's offset multiplies). */
+ * X int16 [M, K] (SD_W_Q4, SD_W_Q8 | SD_W_X8: int8); scale [M, K / E] (d of each block); offset_in [M, K / E]
+ * (int8 activations only: SD_W_Q4's d * sum X of each block, what the block's offset multiplies; SD_W_X8's
+ * -128 sum X, where its integer sums start). */
 typedef struct {
-    int16_t *X; /* SD_W_Q4: int8 [M, K] in the same memory (X8 below) */
+    int16_t *X; /* int8 [M, K] in the same memory where the activations are int8 (q_x8 below) */
     float *scale, *offset_in;
 } q_input;
 

@@ -235,24 +235,29 @@ def load() -> ctypes.CDLL | None:
         if os.environ.get("SPECDRAFT_KERNEL_AMX", "1") != "0":
             lib.sd_amx_init()  # AMX builds use tiles from here on, for every bf16 linear layer, if Linux allows
         _lib = lib
-        rows = os.environ.get("SPECDRAFT_Q_AMX_ROWS")
-        if rows is not None:  # GGUF panels on AMX-INT8 tiles from this many rows (0: never; q_amx_rows)
-            if rows.strip().isdigit():
-                q_amx_rows(int(rows))
-            else:  # a tuning knob: say so, keep the default, keep the kernels
-                warnings.warn(f"specdraft: SPECDRAFT_Q_AMX_ROWS must be an integer >= 0, got {rows!r}; "
-                              f"keeping {q_amx_rows()}", stacklevel=2)
-        int8 = os.environ.get("SPECDRAFT_Q8_INT8")
-        if int8 is not None:  # 8-bit GGUF layers on int8 (1) or 16-bit (0) activations (q8_int8_activations)
-            if int8.strip() in ("0", "1"):
-                q8_int8_activations(int8.strip() == "1")
-            else:
-                warnings.warn(f"specdraft: SPECDRAFT_Q8_INT8 must be 0 or 1, got {int8!r}; keeping "
-                              f"{int(q8_int8_activations())}", stacklevel=2)
+        # GGUF panels on AMX-INT8 tiles from this many rows (0: never); the 8-bit output layer on int8 (1) or
+        # 16-bit (0) activations
+        _tuning_from_env("SPECDRAFT_Q_AMX_ROWS", "an integer >= 0", str.isdigit, lambda v: q_amx_rows(int(v)),
+                         q_amx_rows)
+        _tuning_from_env("SPECDRAFT_Q8_INT8", "0 or 1", lambda v: v in ("0", "1"),
+                         lambda v: q8_int8_activations(v == "1"), lambda: int(q8_int8_activations()))
     except (OSError, RuntimeError) as exc:
         _load_error = str(exc)
         warnings.warn(f"specdraft: fused CPU kernels unavailable, using PyTorch ops ({exc})", stacklevel=2)
     return _lib
+
+
+def _tuning_from_env(name: str, expected: str, valid: Callable[[str], bool], apply: Callable[[str], Any],
+                     current: Callable[[], Any]) -> None:
+    """Apply the kernels' tuning knob `name` from the environment if set; a bad value is a warning (the
+    default kept, the kernels kept), not an error."""
+    value = os.environ.get(name)
+    if value is None:
+        return
+    if valid(value.strip()):
+        apply(value.strip())
+    else:
+        warnings.warn(f"specdraft: {name} must be {expected}, got {value!r}; keeping {current()}", stacklevel=3)
 
 
 def available() -> bool:

@@ -306,7 +306,9 @@ class GGUFLinear(nn.Module):
         return weights.numel(), layout & ~cpu_kernels.QPANELS
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={FORMAT_NAMES[self.fmt]}"
+        asks = ", int8_activations=True" if self.int8_activations else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={FORMAT_NAMES[self.fmt]}{asks}")
 
 
 class GGUFEmbedding(nn.Module):
