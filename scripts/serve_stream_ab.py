@@ -1,6 +1,11 @@
 """Streamed against not streamed through one `specdraft serve` process, alternated: what streaming costs the
 server at each concurrency (the same requests, `bench-serve`'s client, medians of the passes).
 
+On Linux it also says where the CPU goes, per output token: the server's event-loop thread (HTTP, SSE, the
+loopback sends; its main thread), the rest of the server (the engine thread and the kernels' OpenMP workers)
+and the client (this process). On 2 cores every microsecond the first and last spend is taken from a forward
+that keeps both cores busy, so their sum over a token's time is about what streaming costs.
+
     .venv/bin/python scripts/serve_stream_ab.py [--model smollm2-135m] [--concurrency 1,8] [--passes 4]
         [--max-tokens 64]
 """
@@ -8,10 +13,49 @@ server at each concurrency (the same requests, `bench-serve`'s client, medians o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+from pathlib import Path
 
 from specdraft.bench.serve_bench import _run_level, _serve_process
 from specdraft.bench.suite import load_suite
+
+
+def _server_pid() -> int | None:
+    """The `specdraft serve` process this one started (its only child), None where /proc cannot tell."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            return int(stat.parent.name)
+    return None
+
+
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _cpu_split(pid: int | None, before: dict[int, float], client_s: float, tokens: int) -> dict[str, float]:
+    """ms of CPU per output token since `before`: the server's event loop, the rest of the server, the client."""
+    if pid is None or not tokens:
+        return {}
+    after = _thread_cpu(pid)
+    spent = {tid: s - before.get(tid, 0.0) for tid, s in after.items()}
+    loop = spent.pop(pid, 0.0)
+    return {"event loop": 1e3 * loop / tokens, "engine + workers": 1e3 * sum(spent.values()) / tokens,
+            "client": 1e3 * client_s / tokens}
 
 
 def main() -> None:
@@ -26,19 +70,28 @@ def main() -> None:
     serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5)
     prompts = [q.turns[0] for q in load_suite(args.suite)]
     with _serve_process(serve_args, max(levels), None) as url:
+        pid = _server_pid() if Path("/proc/self/task").is_dir() else None
         _run_level(url, args.model, prompts[:1], 1, 4, None)  # warm-up
         for concurrency in levels:
             batch = [prompts[i % len(prompts)] for i in range(max(8, 2 * concurrency))]
             rates: dict[bool, list[float]] = {True: [], False: []}
+            cpu: dict[bool, list[dict[str, float]]] = {True: [], False: []}
             for _ in range(args.passes):
                 for stream in (True, False):
+                    before, client = _thread_cpu(pid) if pid else {}, os.times()
                     results, wall = _run_level(url, args.model, batch, concurrency, args.max_tokens, None, stream)
+                    client_s = sum(os.times()[:2]) - sum(client[:2])
                     if any("error" in r for r in results):
                         raise SystemExit(f"a request failed: {next(r for r in results if 'error' in r)}")
-                    rates[stream].append(sum(r["tokens"] for r in results) / wall)
+                    tokens = sum(r["tokens"] for r in results)
+                    rates[stream].append(tokens / wall)
+                    cpu[stream].append(_cpu_split(pid, before, client_s, tokens))
             for stream, runs in rates.items():
+                split = "".join(f", {part} {statistics.median(c[part] for c in cpu[stream]):.3f}"
+                                for part in (cpu[stream][0] if cpu[stream] else {}))
                 print(f"c={concurrency} {'streamed' if stream else 'not streamed':12} output tok/s median "
-                      f"{statistics.median(runs):.1f}  runs {' '.join(f'{r:.0f}' for r in runs)}", flush=True)
+                      f"{statistics.median(runs):.1f}  runs {' '.join(f'{r:.0f}' for r in runs)}"
+                      + (f"\n      ms of CPU per token (medians){split}" if split else ""), flush=True)
 
 
 if __name__ == "__main__":
