@@ -28,7 +28,6 @@ from specdraft.drafters.shipped import target_signature
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
-    cut,
     draft_distribution,
     draft_readout,
     full_readout,
@@ -39,7 +38,7 @@ from specdraft.train.features import (
     target_batch,
     training_items,
 )
-from specdraft.train.loop import LoopConfig, draft_vocabulary, train_loop
+from specdraft.train.loop import LoopConfig, draft_vocabulary, held_out_agreement, train_loop
 
 STEP_WEIGHT = 0.8
 
@@ -168,21 +167,12 @@ def evaluate(target: Transformer, head: EagleHead, items: Sequence, config: Trai
              readout: torch.Tensor, full: torch.Tensor) -> list[float]:
     """Top-1 agreement with the target (its argmax over the whole vocabulary) per draft step over held-out
     sequences."""
-    hits = [0.0] * config.ttt_steps
-    total = [0.0] * config.ttt_steps
-    with torch.no_grad():
-        for i in range(0, len(items), config.batch_size):
-            chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
-            chunk = [item for item in chunk if item_positions(item) >= 2]
-            if not chunk:
-                continue
-            batch = _Batch(target, head, chunk, config.ttt_steps, readout, full)
-            _, _, _, agree = batch_losses(head, batch)
-            for s, a in enumerate(agree):
-                n = float(batch.valid(s).sum())
-                hits[s] += a * n
-                total[s] += n
-    return [h / t if t else 0.0 for h, t in zip(hits, total)]
+    def score(chunk: list) -> tuple[list[float], list[float]]:
+        batch = _Batch(target, head, chunk, config.ttt_steps, readout, full)
+        agree = batch_losses(head, batch)[3]
+        return agree, [float(batch.valid(s).sum()) for s in range(len(agree))]
+
+    return held_out_agreement(items, config, score)
 
 
 def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.train.features import cut, item_positions
 
 CHECKPOINT = "checkpoint.pt"
 # Settings that may change between an interrupted run and its resumption.
@@ -173,6 +174,28 @@ def train_loop(head: torch.nn.Module, config: LoopConfig, train_items: Sequence,
         (out_dir / "history.json").write_text(json.dumps(history) + "\n")
         plot_history(history, out_dir, desc)
     return history
+
+
+def held_out_agreement(items: Sequence, config: LoopConfig,
+                       score: Callable[[list], tuple[list[float], list[float]]]) -> list[float]:
+    """Top-1 agreement with the target per draft step over held-out items, in batches of the training's size
+    and length: `score(batch items)` gives each step's agreement and how many positions it counted, which
+    weigh it (batches differ in length, and later steps count fewer positions)."""
+    hits: list[float] = []
+    total: list[float] = []
+    with torch.no_grad():
+        for i in range(0, len(items), config.batch_size):
+            chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
+            chunk = [item for item in chunk if item_positions(item) >= 2]
+            if not chunk:
+                continue
+            agree, counted = score(chunk)
+            if not hits:
+                hits, total = [0.0] * len(agree), [0.0] * len(agree)
+            for s, (a, n) in enumerate(zip(agree, counted, strict=True)):
+                hits[s] += a * n
+                total[s] += n
+    return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
 def plot_history(history: dict, out_dir: Path, title: str = "head") -> None:

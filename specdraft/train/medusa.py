@@ -22,7 +22,6 @@ from specdraft.drafters.shipped import target_signature
 from specdraft.runtime.model import Transformer
 from specdraft.train.features import (
     FINAL,
-    cut,
     draft_distribution,
     draft_readout,
     full_readout,
@@ -33,7 +32,7 @@ from specdraft.train.features import (
     target_batch,
     training_items,
 )
-from specdraft.train.loop import LoopConfig, draft_vocabulary, train_loop
+from specdraft.train.loop import LoopConfig, draft_vocabulary, held_out_agreement, train_loop
 
 HEAD_WEIGHT = 0.8
 
@@ -65,6 +64,11 @@ class _Batch:
         self.lengths = tb.lengths
         self.rows = tb.rows
 
+    def valid(self, k: int) -> torch.Tensor:
+        """[B, rows]: head k's prediction at row t is real when the target's token t+k is known."""
+        t = torch.arange(self.rows, device=self.lengths.device)[None, :]
+        return t + k < self.lengths[:, None]
+
 
 def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list[float], list[float], list[float]]:
     """(weighted loss, per-head losses, per-head accuracies in the trained positions, per-head top-1 agreement
@@ -73,7 +77,6 @@ def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list
         logits = heads(batch.hidden)  # [B, T, K, V']
     total = torch.zeros((), device=batch.hidden.device)
     losses, accs, agree = [], [], []
-    t = torch.arange(batch.rows, device=batch.hidden.device)[None, :]
     for k in range(1, heads.medusa.num_heads + 1):
         rows = batch.rows - k
         if rows <= 0:
@@ -81,7 +84,7 @@ def medusa_losses(heads: MedusaHeads, batch: _Batch) -> tuple[torch.Tensor, list
             accs.append(0.0)
             agree.append(0.0)
             continue
-        real = (t[:, :rows] + k) < batch.lengths[:, None]
+        real = batch.valid(k)[:, :rows]
         mask = real & batch.in_vocab[:, k:]
         log_probs = torch.log_softmax(logits[:, :rows, k - 1].float(), -1)
         per_row = -(batch.soft[:, k:] * log_probs).sum(-1)
@@ -108,22 +111,12 @@ def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: M
              readout: torch.Tensor, full: torch.Tensor) -> list[float]:
     """Top-1 agreement with the target (its argmax over the whole vocabulary) per head over held-out
     sequences."""
-    hits = [0.0] * config.heads
-    total = [0.0] * config.heads
-    with torch.no_grad():
-        for i in range(0, len(items), config.batch_size):
-            chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
-            chunk = [item for item in chunk if item_positions(item) >= 2]
-            if not chunk:
-                continue
-            batch = _Batch(target, heads, chunk, readout, full)
-            _, _, _, agree = medusa_losses(heads, batch)
-            for k, a in enumerate(agree, start=1):
-                n = float(((torch.arange(batch.rows, device=batch.lengths.device)[None, :] + k)
-                           < batch.lengths[:, None]).sum())
-                hits[k - 1] += a * n
-                total[k - 1] += n
-    return [h / t if t else 0.0 for h, t in zip(hits, total)]
+    def score(chunk: list) -> tuple[list[float], list[float]]:
+        batch = _Batch(target, heads, chunk, readout, full)
+        agree = medusa_losses(heads, batch)[3]
+        return agree, [float(batch.valid(k).sum()) for k in range(1, len(agree) + 1)]
+
+    return held_out_agreement(items, config, score)
 
 
 def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
