@@ -7,7 +7,7 @@ and the client (this process). On 2 cores every microsecond the first and last s
 that keeps both cores busy, so their sum over a token's time is about what streaming costs.
 
     .venv/bin/python scripts/serve_stream_ab.py [--model smollm2-135m] [--concurrency 1,8] [--passes 4]
-        [--max-tokens 64]
+        [--max-tokens 64] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5)
+    serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5,
+                                    stream_interval=args.stream_interval)
     prompts = [q.turns[0] for q in load_suite(args.suite)]
     with _serve_process(serve_args, max(levels), None) as url:
         pid = _server_pid() if Path("/proc/self/task").is_dir() else None

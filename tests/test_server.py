@@ -455,6 +455,57 @@ def test_only_streaming_tickets_get_an_event_per_round(target, tokenizer):
     assert "".join(e.text for e in streamed) == quiet[-1].result.text == streamed[-1].result.text
 
 
+def test_a_stream_interval_groups_a_streams_tokens_and_keeps_its_text(target, tokenizer):
+    """`stream_interval=3`: the first text at once, then chunks of at least 3 tokens, the rest with the result;
+    the same text as every round's chunk (interval 1). A bad interval is refused."""
+    import asyncio
+
+    from specdraft.server.metrics import ServerMetrics
+    from specdraft.server.worker import EngineWorker, Ticket
+
+    def chunks(interval: int, params: SamplingParams) -> list:
+        engine = make_engine(target, tokenizer, max_batch=2, drafter=True)
+        worker = EngineWorker(engine, tokenizer, ServerMetrics(NAME), stream_interval=interval)
+
+        async def events() -> list:
+            ticket = Ticket(prompt="abcabcabc", chat=False, params=params, loop=asyncio.get_running_loop())
+            worker.submit(ticket)
+            received = [await ticket.events.get()]
+            while not received[-1].final:
+                received.append(await ticket.events.get())
+            return received[1:]
+
+        worker.start()
+        try:
+            return asyncio.run(events())
+        finally:
+            worker.stop()
+
+    for params in (SamplingParams(temperature=0, max_tokens=23), SamplingParams(temperature=0.8, seed=3,
+                                                                                 max_tokens=23)):
+        every, grouped = chunks(1, params), chunks(3, params)
+        assert "".join(e.text for e in grouped) == "".join(e.text for e in every) == grouped[-1].result.text
+        assert sum(len(e.token_ids) for e in grouped) == 23 == sum(len(e.token_ids) for e in every)
+        assert len(grouped[0].token_ids) == len(every[0].token_ids)  # the first text is not held back
+        assert all(len(e.token_ids) >= 3 for e in grouped[1:-1]) and grouped[-1].result is not None
+        assert len(grouped) <= 2 + (23 - len(grouped[0].token_ids)) // 3 < len(every)
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineWorker(make_engine(target, tokenizer, max_batch=1, drafter=False), tokenizer, ServerMetrics(NAME),
+                     stream_interval=0)
+
+
+def test_a_server_with_a_stream_interval_streams_the_same_text(target, tokenizer):
+    """Through HTTP and the openai client: fewer events, the same text as the answer not streamed."""
+    engine = make_engine(target, tokenizer, max_batch=2)
+    with serve_in_thread(create_app(engine, tokenizer, NAME, stream_interval=4)) as url:
+        oa = client(url)
+        done = oa.completions.create(model=NAME, prompt="hello", max_tokens=17, temperature=0)
+        pieces = [c.choices[0].text for c in oa.completions.create(
+            model=NAME, prompt="hello", max_tokens=17, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == done.choices[0].text and len(done.choices[0].text) == 17
+    assert len([p for p in pieces if p]) <= 1 + 4  # the first token, then 16 in fours
+
+
 def test_a_streamed_text_event_is_the_chunk_serialized_in_full():
     """`Reply.text_event` fills a serialized template: the same characters as serializing the whole chunk,
     for chat and text completions, with and without the usage field, whatever the text holds."""

@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
+    parser.add_argument("--stream-interval", type=arg_int_in(1), default=1,
+                        help="the servers' --stream-interval: streams get their tokens this many at a time")
     parser.add_argument("--out", default="bench-out/serve")
 
 
@@ -287,6 +289,8 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
         command += ["--speculative-model", drafter, "--num-speculative-tokens", str(args.num_speculative_tokens)]
     if args.api_key:
         command += ["--api-key", args.api_key]
+    if getattr(args, "stream_interval", 1) != 1:
+        command += ["--stream-interval", str(args.stream_interval)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -405,7 +409,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": count,
                       "repeats": args.repeats,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
-                      "suite": args.suite or "bundled mini suite", "url": args.url},
+                      "suite": args.suite or "bundled mini suite", "url": args.url,
+                      "stream_interval": args.stream_interval},
            "results": rows, "scaling": scaling, "speculative_over_plain": speculative,
            "server_overhead_c1": overhead["stream"], "server_overhead_c1_non_streaming": overhead["non_streaming"]}
     print("\n".join(header_lines(out["header"])))

@@ -62,9 +62,10 @@ class ClientGone(Exception):
 class ServerState:
     """What the handlers share: the worker once the model is loaded, the metrics, the key."""
 
-    def __init__(self, model_name: str, api_key: str | None) -> None:
+    def __init__(self, model_name: str, api_key: str | None, stream_interval: int = 1) -> None:
         self.model_name = model_name
         self.api_key = api_key
+        self.stream_interval = stream_interval
         self.metrics = ServerMetrics(model_name)
         self.worker: EngineWorker | None = None
         self.load_error: str | None = None
@@ -83,7 +84,7 @@ class ServerState:
         with self._lock:
             if self.closing:
                 return
-            worker = EngineWorker(model.engine, model.tokenizer, self.metrics)
+            worker = EngineWorker(model.engine, model.tokenizer, self.metrics, self.stream_interval)
             worker.start()
             self.worker = worker
 
@@ -96,15 +97,18 @@ class ServerState:
             worker.stop()
 
 
-def create_app(engine: Engine, tokenizer: Any, model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving an engine that is already built (it must not be used elsewhere while served)."""
-    return _build_app(ServerState(model_name, api_key), lambda: ServedModel(engine, tokenizer, model_name),
-                      background=False)
+def create_app(engine: Engine, tokenizer: Any, model_name: str, api_key: str | None = None,
+               stream_interval: int = 1) -> FastAPI:
+    """An app serving an engine that is already built (it must not be used elsewhere while served).
+    `stream_interval`: streams hear of their tokens that many at a time (`EngineWorker`)."""
+    return _build_app(ServerState(model_name, api_key, stream_interval),
+                      lambda: ServedModel(engine, tokenizer, model_name), background=False)
 
 
-def create_app_lazy(load: Callable[[], ServedModel], model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app_lazy(load: Callable[[], ServedModel], model_name: str, api_key: str | None = None,
+                    stream_interval: int = 1) -> FastAPI:
     """An app that answers at once and loads the model in a background thread (`/health` 503 until then)."""
-    return _build_app(ServerState(model_name, api_key), load, background=True)
+    return _build_app(ServerState(model_name, api_key, stream_interval), load, background=True)
 
 
 def _build_app(state: ServerState, load: Callable[[], ServedModel], background: bool) -> FastAPI:
