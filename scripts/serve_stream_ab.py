@@ -1,5 +1,6 @@
 """Streamed against not streamed through one `specdraft serve` process, alternated: what streaming costs the
-server at each concurrency (the same requests, `bench-serve`'s client, medians of the passes).
+server at each concurrency (the same requests, `bench-serve`'s client, medians of the passes). With several
+`--stream-interval`s, a server each, streamed alike and alternated, the first also not streamed.
 
 On Linux it also says where the CPU goes, per output token: the server's event-loop thread (HTTP, SSE, the
 loopback sends; its main thread), the rest of the server (the engine thread and the kernels' OpenMP workers)
@@ -7,7 +8,7 @@ and the client (this process). On 2 cores every microsecond the first and last s
 that keeps both cores busy, so their sum over a token's time is about what streaming costs.
 
     .venv/bin/python scripts/serve_stream_ab.py [--model smollm2-135m] [--concurrency 1,8] [--passes 4]
-        [--max-tokens 64] [--stream-interval 1]
+        [--max-tokens 64] [--stream-interval 1[,2,...]]
 """
 
 from __future__ import annotations
@@ -15,23 +16,24 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from contextlib import ExitStack
 from pathlib import Path
 
 from specdraft.bench.serve_bench import _run_level, _serve_process
 from specdraft.bench.suite import load_suite
 
 
-def _server_pid() -> int | None:
-    """The `specdraft serve` process this one started (its only child), None where /proc cannot tell."""
-    me = str(os.getpid())
+def _children() -> set[int]:
+    """The processes this one started (empty where /proc cannot tell)."""
+    me, out = str(os.getpid()), set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if fields[1] == me:
-            return int(stat.parent.name)
-    return None
+            out.add(int(stat.parent.name))
+    return out
 
 
 def _thread_cpu(pid: int) -> dict[int, float]:
@@ -65,35 +67,50 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    parser.add_argument("--stream-interval", default="1",
+                        help="the servers' --stream-interval; several (1,2) start a server each, streamed alike")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5,
-                                    stream_interval=args.stream_interval)
+    intervals = [int(n) for n in args.stream_interval.split(",")]
     prompts = [q.turns[0] for q in load_suite(args.suite)]
-    with _serve_process(serve_args, max(levels), None) as url:
-        pid = _server_pid() if Path("/proc/self/task").is_dir() else None
-        _run_level(url, args.model, prompts[:1], 1, 4, None)  # warm-up
+    with ExitStack() as stack:
+        servers = []  # (interval, url, pid)
+        for interval in intervals:
+            serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5,
+                                            stream_interval=interval)
+            before = _children()
+            url = stack.enter_context(_serve_process(serve_args, max(levels), None))
+            started = _children() - before
+            servers.append((interval, url, started.pop() if len(started) == 1 else None))
+            _run_level(url, args.model, prompts[:1], 1, 4, None)  # warm-up
+        # every server streamed, and the first one not streamed: (label, url, pid, stream)
+        modes = [(f"streamed, interval {n}" if len(intervals) > 1 else "streamed", url, pid, True)
+                 for n, url, pid in servers] + [("not streamed", servers[0][1], servers[0][2], False)]
         for concurrency in levels:
             batch = [prompts[i % len(prompts)] for i in range(max(8, 2 * concurrency))]
-            rates: dict[bool, list[float]] = {True: [], False: []}
-            cpu: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+            rates: dict[str, list[float]] = {label: [] for label, *_ in modes}
+            cpu: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in modes}
             for _ in range(args.passes):
-                for stream in (True, False):
+                for label, url, pid, stream in modes:
                     before, client = _thread_cpu(pid) if pid else {}, os.times()
                     results, wall = _run_level(url, args.model, batch, concurrency, args.max_tokens, None, stream)
                     client_s = sum(os.times()[:2]) - sum(client[:2])
                     if any("error" in r for r in results):
                         raise SystemExit(f"a request failed: {next(r for r in results if 'error' in r)}")
                     tokens = sum(r["tokens"] for r in results)
-                    rates[stream].append(tokens / wall)
-                    cpu[stream].append(_cpu_split(pid, before, client_s, tokens))
-            for stream, runs in rates.items():
-                split = "".join(f", {part} {statistics.median(c[part] for c in cpu[stream]):.3f}"
-                                for part in (cpu[stream][0] if cpu[stream] else {}))
-                print(f"c={concurrency} {'streamed' if stream else 'not streamed':12} output tok/s median "
-                      f"{statistics.median(runs):.1f}  runs {' '.join(f'{r:.0f}' for r in runs)}"
+                    rates[label].append(tokens / wall)
+                    cpu[label].append(_cpu_split(pid, before, client_s, tokens))
+            for label, runs in rates.items():
+                split = "".join(f", {part} {statistics.median(c[part] for c in cpu[label]):.3f}"
+                                for part in (cpu[label][0] if cpu[label] else {}))
+                print(f"c={concurrency} {label:22} output tok/s median {statistics.median(runs):.1f}  "
+                      f"runs {' '.join(f'{r:.0f}' for r in runs)}"
                       + (f"\n      ms of CPU per token (medians){split}" if split else ""), flush=True)
+            for label, runs in rates.items():
+                if label != "not streamed":
+                    ratios = [a / b for a, b in zip(runs, rates["not streamed"])]
+                    print(f"c={concurrency} {label} / not streamed, median of each pass's ratio "
+                          f"{statistics.median(ratios):.3f}", flush=True)
 
 
 if __name__ == "__main__":
