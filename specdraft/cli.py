@@ -95,37 +95,53 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_PROMPTS = (
+    # Open-ended: little of the answer is in the prompt, so a drafter that copies has little to offer and the
+    # engine falls back to plain decoding.
+    "Explain in a few sentences why the sky is blue.",
+    # Grounded in its input, as summaries, edits and retrieval answers are: much of the answer repeats it.
+    "Fix the spelling mistakes in this paragraph and return the corrected paragraph: The sky apears blue "
+    "becuase molecules in the air scatter blue light from the sun more then they scatter red light. When we "
+    "look toward the sky away from the sun, we see this scatered blue light comming from every direction. At "
+    "sunset, sunlight pases through more air, so most of the blue is scattered away and the sky looks red and "
+    "orange.",
+)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Speculative generation with the default drafter next to plain decoding of the same prompt."""
+    """Speculative generation with the default drafter next to plain decoding of the same prompts: one
+    open-ended, one grounded in its input (or the one `--prompt`)."""
     from specdraft.api import LLM
     from specdraft.engine.core import Engine
 
-    prompt = args.prompt
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     drafter, k = args.speculative_model, args.num_speculative_tokens
     llm = LLM(model=args.model, speculative_model=drafter, num_speculative_tokens=k, tree=args.tree,
               backend=args.backend)
-    messages = [{"role": "user", "content": prompt}]
-    llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)
     if llm.engine.drafter is not None:  # `auto` resolved: the shipped head marked default, else ngram
         drafter = llm.engine.drafter.name
     shape = f"trees of up to {args.tree} tokens" if args.tree else "chains"
     weights = "GGUF-native" if llm.target.native_report is not None else str(llm.target.dtype).removeprefix("torch.")
     print(f"model {args.model} ({weights} weights), drafter {drafter}, K={k}, {shape}, greedy, "
-          f"{args.max_tokens} tokens\n")
-    print(f"prompt: {prompt}\n")
-    spec = llm.chat(messages, params)[0]
-    plain_engine = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=llm.engine.max_model_len)
-    # The same warm-up as the speculative engine's: both then find the prompt in their cache (prefix reuse).
-    plain_engine.generate(spec.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=8))
-    plain = plain_engine.generate(spec.prompt_token_ids, params)
-    print(spec.text.strip(), "\n")
-    print(f"speculative ({drafter}): {spec.metrics.summary()}")
-    print(f"plain decoding:           {plain.metrics.summary()}")
-    same = spec.outputs[0].token_ids == plain.token_ids
-    speedup = plain.metrics.total_time / spec.metrics.total_time
-    print(f"identical output: {'yes' if same else 'NO'}; speedup {speedup:.2f}x")
-    return 0 if same else 1
+          f"up to {args.max_tokens} tokens")
+    all_same = True
+    for prompt in [args.prompt] if args.prompt else DEMO_PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        # The same warm-up for both engines: each then finds the prompt in its cache (prefix reuse).
+        warm = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8))[0]
+        plain_engine.generate(warm.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=8))
+        print(f"\nprompt: {prompt}\n")
+        spec = llm.chat(messages, params)[0]
+        plain = plain_engine.generate(spec.prompt_token_ids, params)
+        print(spec.text.strip(), "\n")
+        print(f"speculative ({drafter}): {spec.metrics.summary()}")
+        print(f"plain decoding:           {plain.metrics.summary()}")
+        same = spec.outputs[0].token_ids == plain.token_ids
+        all_same = all_same and same
+        speedup = plain.metrics.total_time / spec.metrics.total_time
+        print(f"identical output: {'yes' if same else 'NO'}; speedup {speedup:.2f}x")
+    return 0 if all_same else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default="smollm2-135m")
     add_speculation_arguments(demo, default_drafter="auto")
     demo.add_argument("--max-tokens", type=arg_int_in(1), default=128)
-    demo.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
+    demo.add_argument("--prompt", default=None, help="one prompt instead of the two built in")
     demo.add_argument("--backend", default="specdraft", choices=BACKENDS, help=BACKEND_HELP)
     demo.set_defaults(func=cmd_demo)
 

@@ -149,3 +149,15 @@ def test_token_trees_match_plain_greedy_bit_for_bit(model_name, drafters, dev_pr
         got = [r.token_ids for r in engine.generate_many(prompts, params)]
         assert got == expected, f"{model_name} {spec}: a tree diverged from plain greedy"
         assert engine.totals.tree_rounds > 0 and engine.totals.accepted > 0
+
+
+def test_the_demo_runs_both_prompts_with_output_identical_to_plain(capsys):
+    """`specdraft demo` (what `make demo` runs), short: both built-in prompts, each against plain decoding."""
+    from specdraft.cli import DEMO_PROMPTS, main
+
+    assert main(["demo", "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical output: yes") == out.count("identical output:") == len(DEMO_PROMPTS) == 2
+    assert all(f"prompt: {p}" in out for p in DEMO_PROMPTS)
+    assert main(["demo", "--max-tokens", "8", "--prompt", "Say hello."]) == 0
+    assert capsys.readouterr().out.count("identical output: yes") == 1
