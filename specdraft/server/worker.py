@@ -5,8 +5,8 @@ events from an asyncio queue; the engine thread tokenizes and validates it (so a
 before any streaming starts), queues it until a KV-cache slot is free, then advances all running requests
 together, one `Engine.step` (one batched target forward) per round, and hands each chunk back with
 `loop.call_soon_threadsafe` (a stream with a `stream_interval` of N hears of its tokens N at a time). A
-client that goes away is `cancel`led: the engine thread releases its slot
-before the next round, so the slot serves the next waiting request at once.
+client that goes away is `cancel`led: the engine thread releases its slot before the next round, so the
+slot serves the next waiting request at once.
 
 Commands reach the thread through a `queue.Queue` and are applied between rounds only, so the engine is
 never used from two threads and needs no lock.

@@ -172,7 +172,7 @@ def evaluate(target: Transformer, head: EagleHead, items: Sequence, config: Trai
         agree = batch_losses(head, batch)[3]
         return agree, [float(batch.valid(s).sum()) for s in range(len(agree))]
 
-    return held_out_agreement(items, config, score)
+    return held_out_agreement(items, config, config.ttt_steps, score)
 
 
 def train_eagle(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,

@@ -176,13 +176,12 @@ def train_loop(head: torch.nn.Module, config: LoopConfig, train_items: Sequence,
     return history
 
 
-def held_out_agreement(items: Sequence, config: LoopConfig,
+def held_out_agreement(items: Sequence, config: LoopConfig, steps: int,
                        score: Callable[[list], tuple[list[float], list[float]]]) -> list[float]:
-    """Top-1 agreement with the target per draft step over held-out items, in batches of the training's size
-    and length: `score(batch items)` gives each step's agreement and how many positions it counted, which
-    weigh it (batches differ in length, and later steps count fewer positions)."""
-    hits: list[float] = []
-    total: list[float] = []
+    """Top-1 agreement with the target per draft step (`steps` of them) over held-out items, in batches of the
+    training's size and length: `score(batch items)` gives each step's agreement and how many positions it
+    counted, which weigh it (batches differ in length, and later steps count fewer positions)."""
+    hits, total = [0.0] * steps, [0.0] * steps
     with torch.no_grad():
         for i in range(0, len(items), config.batch_size):
             chunk = [cut(item, config.seq_len) for item in items[i:i + config.batch_size]]
@@ -190,8 +189,6 @@ def held_out_agreement(items: Sequence, config: LoopConfig,
             if not chunk:
                 continue
             agree, counted = score(chunk)
-            if not hits:
-                hits, total = [0.0] * len(agree), [0.0] * len(agree)
             for s, (a, n) in enumerate(zip(agree, counted, strict=True)):
                 hits[s] += a * n
                 total[s] += n

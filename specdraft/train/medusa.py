@@ -116,7 +116,7 @@ def evaluate(target: Transformer, heads: MedusaHeads, items: Sequence, config: M
         agree = medusa_losses(heads, batch)[3]
         return agree, [float(batch.valid(k).sum()) for k in range(1, len(agree) + 1)]
 
-    return held_out_agreement(items, config, score)
+    return held_out_agreement(items, config, config.heads, score)
 
 
 def train_medusa(target: Transformer, train_items: Sequence, val_items: Sequence, out_dir: str | Path,
