@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdraft.smoothing import ema
+
 
 @dataclass
 class AdaptiveConfig:
@@ -37,11 +39,6 @@ class AdaptiveConfig:
             raise ValueError("window and reprobe_after must be >= 1")
         if self.max_reprobe_after < self.reprobe_after:
             raise ValueError("max_reprobe_after must be >= reprobe_after")
-
-
-def ema(old: float | None, new: float, weight: float) -> float:
-    """An exponential moving average's next value: `new` itself when there is no `old` yet."""
-    return new if old is None else old + weight * (new - old)
 
 
 # Plain rounds before the first speculation: the first decoding step after a prefill is slower than the rest

@@ -22,6 +22,7 @@ from specdraft.runtime.cpu_kernels import SMALL_BATCH_ROWS  # noqa: F401  (re-ex
 from specdraft.runtime.gguf_native import GGUFLinear
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.quant import Int8Linear
+from specdraft.smoothing import ema
 
 
 class FusedCPUBackend:
@@ -215,9 +216,7 @@ class ThreadGovernor:
                 self.interval = min(2 * self.interval, self.max_interval)
             self.countdown = self.interval
             return
-        previous = self.estimate[single]
-        current = seconds if previous is None else (1 - self.smoothing) * previous + self.smoothing * seconds
-        self.estimate[single] = current
+        current = self.estimate[single] = ema(self.estimate[single], seconds, self.smoothing)
         self.countdown -= 1
         other = self.estimate[not single]
         if other is not None and current > self.react * other:
