@@ -143,9 +143,8 @@ class ForwardCostTable:
     formula's: on a CPU whose kernels tile rows by four, rows up to the fourth cost little and the fifth
     more than the three before it together (SmolLM2-135M Q4 on Zen 4: 2 rows 4.2 ms, 4 rows 4.7, 5 rows 5.4;
     other runs 4 rows 5.0, 5 rows 7.6), and where the forward is compute-bound every row costs most of what
-    an average one does. Every batched round adds its
-    measurement (an average over recent rounds per row count; a lone request's one-slot block is another
-    forward and is left out).
+    an average one does. Every batched round adds its measurement (an average over recent rounds per row
+    count; a lone request's one-slot block is another forward and is left out).
 
     A shared machine's speed drifts by tens of percent over seconds, and a row count measured rarely would
     compare its slow moment with another's fast one, so entries are kept at one speed: each plain round

@@ -240,7 +240,9 @@ class EngineWorker:
         result, a stream of every `stream_interval` tokens (its first text at once, the rest with the result)."""
         if result is None and not ticket.stream:
             return None
-        text, token_ids = ticket.held_text + text, ticket.held_ids + token_ids
+        held = bool(ticket.held_ids or ticket.held_text)  # never with an interval of 1
+        if held:
+            text, token_ids = ticket.held_text + text, ticket.held_ids + token_ids
         if result is None:
             if not (text or token_ids):
                 return None
@@ -248,7 +250,8 @@ class EngineWorker:
                 ticket.held_text, ticket.held_ids = text, token_ids
                 return None
             ticket.streamed = ticket.streamed or bool(text)
-        ticket.held_text, ticket.held_ids = "", []
+        if held:
+            ticket.held_text, ticket.held_ids = "", []
         return Event("chunk", text=text, token_ids=token_ids, result=result)
 
     def _abort(self, ticket: Ticket) -> None:
