@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.eagle import EagleHead, default_aux_layer_ids
+from specdraft.drafters.eagle import EagleConfig, EagleHead
 from specdraft.runtime.loader import load_model
 from specdraft.train.data import model_identity, read_manifest, train_val_split
 from specdraft.train.eagle import TrainConfig, train_eagle
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--variant", default="eagle3", choices=["eagle3", "eagle1"])
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--evals", type=int, default=8, help="validation passes over the run")
@@ -55,14 +56,14 @@ def main() -> None:
     info = {**model_identity(args.model), "data_settings": read_manifest(args.data).get("settings", {})}
     if args.model_name:
         info["model"] = args.model_name
-    aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
+    aux = EagleConfig.for_target(target, variant=args.variant).hidden_layers
     train, val = train_val_split(args.data, layers=[])
     loaded = time.perf_counter()
     print(f"{len(train)} train / {len(val)} validation sequences; target on {target.device} "
           f"({loaded - started:.1f} s); aux layers {aux}", flush=True)
 
     base = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                       warmup=args.warmup, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                       warmup=args.warmup, ttt_steps=args.ttt_steps, variant=args.variant, draft_vocab=args.draft_vocab,
                        checkpoint_every=args.max_steps, eval_every=args.max_steps)
     # Time steps TIMING_SKIP..warmup (their learning rate is the same whatever the final step count), less
     # what a resumption costs before its first step (the head, its draft vocabulary, the checkpoint).

@@ -25,8 +25,9 @@ FIXED = AdaptiveConfig(enabled=False)
 DRAFT_VOCAB = torch.arange(2, 14)  # a reduced draft vocabulary: 12 of the 16 target tokens
 
 
-def random_head(target, seed=0, std=0.3) -> EagleHead:
-    head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=len(DRAFT_VOCAB))).init_weights(seed, std)
+def random_head(target, seed=0, std=0.3, variant="eagle3") -> EagleHead:
+    config = EagleConfig.for_target(target, draft_vocab_size=len(DRAFT_VOCAB), variant=variant)
+    head = EagleHead(config).init_weights(seed, std)
     head.set_draft_vocab(DRAFT_VOCAB)
     return head
 
@@ -78,7 +79,7 @@ def test_unroll_matches_drafting_with_a_cache(target):
         embeds = target.embed_tokens(seq[:, 1:])
         steps = 3
         padded = torch.cat([embeds, torch.zeros(1, steps - 1, embeds.shape[-1])], dim=1)
-        unrolled = head.unroll(padded, fused, steps)
+        unrolled, unrolled_hidden = head.unroll(padded, fused, steps)
     from specdraft.runtime.kv_cache import KVCache
 
     cfg = head.config
@@ -87,10 +88,12 @@ def test_unroll_matches_drafting_with_a_cache(target):
         logits, hidden = head.step(embeds[:, :m + 1], fused[:, :m + 1], cache, [0])
         cache.commit(0, m + 1)
         torch.testing.assert_close(logits[0, m], unrolled[0][0, m], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[0, m], unrolled_hidden[0][0, m], atol=1e-4, rtol=1e-4)
         for s in (1, 2):
             logits, hidden = head.step(embeds[:, m + s:m + s + 1], hidden[:, -1:], cache, [0])
             cache.commit(0, m + 1 + s)
             torch.testing.assert_close(logits[0, 0], unrolled[s][0, m], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[0, 0], unrolled_hidden[s][0, m], atol=1e-4, rtol=1e-4)
 
 
 def test_a_tree_block_scores_each_node_as_its_own_chain_would(target):
@@ -190,11 +193,12 @@ def test_bad_head_paths_and_mismatched_targets(target, tmp_path):
         make_drafter(f"eagle:{tmp_path}", tiny_model(seed=0, vocab=VOCAB, layers=4, hidden=64), ToyTokenizer(VOCAB))
 
 
+@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tree", [0, 8])
-def test_greedy_identity_batch_of_three(dtype, tree):
+def test_greedy_identity_batch_of_three(dtype, tree, variant):
     target = tiny_model(seed=0, vocab=VOCAB, layers=4, dtype=dtype)
-    drafter = EagleDrafter(random_head(target), target, max_len=256, max_batch=3)
+    drafter = EagleDrafter(random_head(target, variant=variant), target, max_len=256, max_batch=3)
     plain, spec = engine(target), engine(target, drafter, k=4, tree=tree, max_batch=3)
     params = SamplingParams(temperature=0, max_tokens=40)
     expected = [plain.generate(p, params).token_ids for p in PROMPTS]
@@ -298,12 +302,13 @@ def test_incremental_features_match_a_fresh_start(target, tree, adaptive):
     assert CheckedEagleDrafter.checked > 10 and spec.totals.accepted > 0
 
 
-@pytest.mark.parametrize("tree,samples", [(0, NUM_SAMPLES), (3, NUM_SAMPLES // 4)])
-def test_sampled_distribution_matches_the_target(tree, samples):
+@pytest.mark.parametrize("tree,samples,variant", [(0, NUM_SAMPLES, "eagle3"), (3, NUM_SAMPLES // 4, "eagle3"),
+                                                  (0, NUM_SAMPLES // 4, "eagle1")])
+def test_sampled_distribution_matches_the_target(tree, samples, variant):
     """Chains sample from the head's distribution (rows over the target vocabulary, zero outside the draft
     vocabulary); trees are the deterministic top-3 children, tried in order by multi-candidate verification."""
     target = tiny_model(seed=0, vocab=VOCAB, layers=1)
-    drafter = EagleDrafter(random_head(target, std=0.5), target, max_len=64, max_batch=BATCH)
+    drafter = EagleDrafter(random_head(target, std=0.5, variant=variant), target, max_len=64, max_batch=BATCH)
     params = SamplingParams(temperature=1.0)
     spec = engine(target, drafter, k=1, tree=tree, max_batch=BATCH, max_len=64)
     counts = sample_joint(spec, params, samples)
@@ -394,6 +399,83 @@ def test_warm_start_continues_a_trained_head(target, dataset, tmp_path):
     with pytest.raises(SpecdraftError, match="draft vocabulary|drafts over 12"):
         train_eagle(target, train, val, tmp_path / "third", TrainConfig(steps=2, draft_vocab=10,
                     init_head=str(tmp_path / "first")), progress=False)
+
+
+def test_eagle1_variant_learns_the_targets_next_feature(target, dataset, tmp_path):
+    """`--variant eagle1`: one stream in (the last layer's), fc the identity and the target's own final norm
+    and lm_head rows, all three left as they were by training; the head learns the target's next feature
+    (its output moves towards it) and drafts that are accepted, losslessly, from a checkpoint that says
+    what it is and refuses the speculators export."""
+    from specdraft.train.eagle import _Batch, feature_loss
+    from specdraft.train.features import draft_readout
+
+    train, val = dataset
+    config = TrainConfig(steps=60, batch_size=8, lr=1e-2, warmup=5, ttt_steps=2, draft_vocab=12,
+                         checkpoint_every=60, eval_every=30, variant="eagle1")
+    result = train_eagle(target, train, val, tmp_path, config, progress=False)
+    head = EagleHead.load(tmp_path)
+    assert head.eagle.variant == "eagle1" and head.eagle.hidden_layers == [3]  # the stream leaving layer 3
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["SpecdraftEagle1Head"] and raw["specdraft"]["variant"] == "eagle1"
+    assert head.fc.weight.shape == (32, 32) and torch.equal(head.fc.weight, torch.eye(32))
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[head.draft_to_target].float())
+    assert torch.equal(head.norm.weight, target.norm.weight.float())
+    untrained = TrainConfig(steps=1, draft_vocab=12, variant="eagle1")
+    from specdraft.train.eagle import new_head
+
+    fresh = new_head(target, untrained, train)
+    batch = _Batch(target, fresh, val, 2, draft_readout(target, fresh.draft_to_target))
+
+    def distance(h: EagleHead, offset: int = 1) -> float:
+        """From the head's outputs at rows t to the target's features at t + offset."""
+        with torch.no_grad():
+            outputs = h.unroll(batch.embeds, h.fuse(batch.aux), 1, valid=batch.valid(0))[1][0]
+        return float(feature_loss(outputs, batch.features[:, offset:offset + batch.rows], batch.valid(0)))
+
+    # A fresh head copies the feature it reads (fc the identity, a small residual layer); trained, it moves
+    # towards the next one (measured 0.522 against 0.561; 0.264 from the current one).
+    assert distance(fresh, offset=0) < 1e-3 and distance(head, offset=0) > 0.1
+    assert distance(head) < 0.97 * distance(fresh)
+    assert result.history["loss"][-1] < result.history["loss"][0]
+    assert min(result.history["val_agreement"][-1]) > 0.15
+    trained = make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), max_len=256, max_batch=3)
+    plain, spec = engine(target), engine(target, trained, k=3, tree=4, max_batch=3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    assert [r.token_ids for r in spec.generate_many(PROMPTS, [params] * 3)] == \
+        [plain.generate(p, params).token_ids for p in PROMPTS]
+    assert spec.totals.accepted > 0
+    with pytest.raises(SpecdraftError, match="only EAGLE-3"):
+        head.save(tmp_path / "export", format="speculators", verifier="tiny")
+    with pytest.raises(SpecdraftError, match="eagle1 head"):
+        train_eagle(target, train, val, tmp_path / "warm", TrainConfig(steps=1, init_head=str(tmp_path)),
+                    progress=False)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_eagle1_head_reads_a_feature_as_the_target_does(gemma):
+    """An EAGLE-1 head starts with the target's own readout: its final norm and lm_head rows turn any
+    feature into the target's logits over the draft vocabulary (Gemma's norm scales by 1 + w, the head's by
+    w: the copy adds the one)."""
+    from specdraft.train.eagle import new_head
+
+    target = tiny_model(seed=3, vocab=VOCAB, layers=2, gemma=gemma)
+    with torch.no_grad():
+        target.norm.weight.normal_(0.0, 0.5)
+    head = new_head(target, TrainConfig(draft_vocab=12, variant="eagle1"), [list(range(VOCAB))] * 2)
+    features = torch.randn(5, target.config.hidden_size) * 3
+    with torch.no_grad():
+        expected = target.lm_head(target.norm(features))[:, head.draft_to_target]
+        torch.testing.assert_close(head.lm_head(head.norm(head.fuse(features))), expected, atol=1e-5, rtol=1e-5)
+    assert not any(p.requires_grad for p in (head.fc.weight, head.norm.weight, head.lm_head.weight))
+    assert head.attn.wqkv.weight.requires_grad and head.mlp.w_down.weight.requires_grad
+
+
+def test_eagle_config_checks_its_variant(target):
+    with pytest.raises(SpecdraftError, match="choose from"):
+        EagleConfig.for_target(target, variant="eagle2")
+    with pytest.raises(SpecdraftError, match="reads 1 target streams"):
+        EagleConfig.for_target(target, aux_layer_ids=[1, 2, 3], variant="eagle1")
+    assert EagleConfig.for_target(target, variant="eagle1").aux_layer_ids == [4]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (`specdraft train eagle --device cuda`)")
@@ -519,7 +601,7 @@ def test_cli_registers_train_and_distill(capsys):
             main(argv)
         assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "--ttt-steps" in out and "--device" in out
+    assert "--ttt-steps" in out and "--device" in out and "{eagle3,eagle1}" in out
     assert "{auto,bf16,fp32,gguf}" in out  # distill: a GGUF target may generate on its own quantized blocks
 
 

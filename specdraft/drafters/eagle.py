@@ -12,6 +12,12 @@ The embedding is the target's (frozen, never stored). Draft id i is target id i 
 whether target id v is in the draft vocabulary. Drafting beyond the verified context feeds the head's own
 h_t (the layer's output before the final norm) in place of g_t, as EAGLE does.
 
+The EAGLE-1 variant (`variant="eagle1"`, Li et al. 2024) reads one stream, the last layer's output a_t (the
+target's feature before its final norm), with fc fixed to the identity (g_t = a_t), and the target's own final
+norm and lm_head rows (frozen): it is trained to predict the target's next feature (h_t ~ a_{t+1}; smooth L1
+on RMS-normalised vectors) as well as its next token, so the h_t it feeds back while drafting stands for a feature the target would
+have computed. The drafter runs both variants the same way; only EAGLE-3 heads export for vLLM.
+
 Feature bookkeeping (per request). The committed context is c_0 .. c_{n-1}; the target has computed
 features for c_0 .. c_{n-2} (c_{n-1} is the pending token, scored in the next verification). Head
 position t pairs feature t with token t+1, so exactly the positions 0 .. n-2 can be fed from target
@@ -63,6 +69,7 @@ from specdraft.verify.sampling import SamplingParams, sample_rows
 CONFIG_FILE = "config.json"
 SPECULATORS_VERSION = "0.1.0"  # the speculators config layout the export follows
 MAX_DRAFT_DEPTH = 64  # the engine's MAX_DRAFT_TOKENS
+VARIANTS = {"eagle3": 3, "eagle1": 1}  # -> the target streams fc reads
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -89,15 +96,27 @@ class EagleConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     target: dict[str, Any] = field(default_factory=dict)  # what the head was trained for (name, fingerprint)
+    variant: str = "eagle3"  # or "eagle1": one stream, the last layer's (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise SpecdraftError(f"EAGLE head variant {self.variant!r}: choose from {', '.join(VARIANTS)}")
+        if len(self.aux_layer_ids) != VARIANTS[self.variant]:
+            raise SpecdraftError(f"an {self.variant} head reads {VARIANTS[self.variant]} target streams, not "
+                                 f"{len(self.aux_layer_ids)} ({self.aux_layer_ids})")
 
     @classmethod
     def for_target(cls, target: Transformer, draft_vocab_size: int | None = None,
-                   aux_layer_ids: Sequence[int] | None = None, **target_info: Any) -> EagleConfig:
+                   aux_layer_ids: Sequence[int] | None = None, variant: str = "eagle3",
+                   **target_info: Any) -> EagleConfig:
+        """A head's shape for this target. eagle3 reads vLLM's default streams, eagle1 the last layer's
+        output (vLLM id L: the stream after the last layer)."""
         cfg = target.config
+        default = [cfg.num_layers] if variant == "eagle1" else default_aux_layer_ids(cfg.num_layers)
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.vocab_size, min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size),
-                   list(aux_layer_ids or default_aux_layer_ids(cfg.num_layers)), cfg.rms_norm_eps,
-                   cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dict(target_info))
+                   list(aux_layer_ids or default), cfg.rms_norm_eps,
+                   cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dict(target_info), variant)
 
     @property
     def hidden_layers(self) -> list[int]:
@@ -115,9 +134,11 @@ class EagleConfig:
             "attention_bias": False, "hidden_act": "silu"})
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json as EAGLE-3 checkpoints for vLLM spell it, plus our own keys under `specdraft`."""
+        """config.json as EAGLE-3 checkpoints for vLLM spell it, plus our own keys under `specdraft`. An
+        eagle1 head names an architecture of its own: no serving engine loads its layout."""
+        architecture = "LlamaForCausalLMEagle3" if self.variant == "eagle3" else "SpecdraftEagle1Head"
         return {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "architectures": [architecture], "model_type": "llama",
             "hidden_size": self.hidden_size, "target_hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
@@ -126,7 +147,7 @@ class EagleConfig:
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
             "tie_word_embeddings": False, "torch_dtype": "float32",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
-            "specdraft": {"format": 1, "target": self.target},
+            "specdraft": {"format": 1, "target": self.target, "variant": self.variant},
         }
 
     def to_speculators_dict(self, verifier: str, verifier_architectures: Sequence[str] = (),
@@ -135,6 +156,9 @@ class EagleConfig:
         load EAGLE-3 drafts from. The decoder layer is Llama-shaped; our layer adds the attention output to
         the un-normed fused feature, i.e. `norm_before_residual` false (written out: readers differ on the
         default)."""
+        if self.variant != "eagle3":
+            raise SpecdraftError(f"only EAGLE-3 heads export in the speculators format, not {self.variant} heads "
+                                 "(their layer reads one target stream, a layout vLLM and SGLang do not load)")
         layer = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
@@ -183,7 +207,8 @@ class EagleConfig:
                        int(raw["vocab_size"]), int(raw.get("draft_vocab_size") or raw["vocab_size"]),
                        [int(i) for i in ids], float(raw.get("rms_norm_eps", 1e-6)),
                        float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling"),
-                       int(raw.get("max_position_embeddings", 4096)), dict(raw.get("specdraft", {}).get("target", {})))
+                       int(raw.get("max_position_embeddings", 4096)), dict(raw.get("specdraft", {}).get("target", {})),
+                       str(raw.get("specdraft", {}).get("variant", "eagle3")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SpecdraftError(f"not an EAGLE-3 head config (missing or bad {exc})") from exc
 
@@ -198,7 +223,7 @@ class EagleHead(nn.Module):
         cfg = self.config = config.model_config()
         cfg.layer_types = ["full"]
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.fc = Linear(3 * dim, dim, bias=False)
+        self.fc = Linear(len(config.aux_layer_ids) * dim, dim, bias=False)
         self.input_layernorm = RMSNorm(dim, eps, False)
         self.hidden_norm = RMSNorm(dim, eps, False)
         self.attn = Attention(cfg, 0)
@@ -369,7 +394,7 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------------------------------ forwards
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """[..., 3*dim] target streams (low, mid, high concatenated) -> [..., dim]."""
+        """[..., streams*dim] target streams (EAGLE-3: low, mid, high concatenated) -> [..., dim]."""
         return self.fc(aux)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,7 +490,7 @@ class EagleHead(nn.Module):
         return attn.wo(out.transpose(1, 2).reshape(B, T, H * D).to(x.dtype))
 
     def unroll(self, embeds: torch.Tensor, fused: torch.Tensor, steps: int,
-               valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+               valid: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Training-time test over whole sequences, cache-free and differentiable.
 
         embeds [B, T + steps - 1, dim]: embeds[:, t] is the embedding of token t+1; fused [B, T, dim]: the
@@ -473,7 +498,9 @@ class EagleHead(nn.Module):
         t+2); step s > 0 feeds the head's own step s-1 outputs, as drafting does: row t of step s is the head
         at position t+s after s tokens it drafted itself, and attends to step 0's rows 0..t (the verified
         context) and to row t of steps 1..s (its own earlier drafts). Returns the logits of every step
-        [B, T, draft_vocab]. valid [B, T] bool: real (not padding) positions of step 0 (default all).
+        [B, T, draft_vocab] and its output hidden states [B, T, dim] (what the next step reads; an EAGLE-1
+        head learns them as the target's next features). valid [B, T] bool: real (not padding) positions of
+        step 0 (default all).
         """
         B, T, _ = fused.shape
         cfg = self.config
@@ -487,7 +514,7 @@ class EagleHead(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         hidden = fused
-        out = []
+        out, outs = [], []
         for s in range(steps):
             positions = (torch.arange(T, device=fused.device) + s)[None, :].expand(B, T)
             x = self._inputs(embeds[:, s:s + T], hidden)
@@ -508,7 +535,8 @@ class EagleHead(nn.Module):
             attn_out = self.attn.wo(attn.transpose(1, 2).reshape(B, T, H * D))
             logits, hidden = self._finish(attn_out, hidden)
             out.append(logits)
-        return out
+            outs.append(hidden)
+        return out, outs
 
 
 HEAD_FORMATS = ("eagle3", "speculators")
@@ -521,7 +549,7 @@ def _speculators_name(name: str) -> str:
 
 def aux_features(hidden: dict[int, torch.Tensor], layers: Sequence[int], rows: Sequence[int] | None = None
                  ) -> torch.Tensor:
-    """The three target streams of the given rows, concatenated in fc's order: [rows, 3*dim]."""
+    """The target streams of the given rows, concatenated in fc's order: [rows, streams*dim]."""
     parts = [hidden[layer] if rows is None else hidden[layer][list(rows)] for layer in layers]
     return torch.cat(parts, dim=-1).clone()
 

@@ -37,6 +37,9 @@ def add_commands(sub) -> None:
     eagle = kinds.add_parser("eagle", help="an EAGLE-3 head (use it as --speculative-model eagle:OUT)")
     _add_training_arguments(eagle, "head", lr=3e-4)
     eagle.add_argument("--ttt-steps", type=arg_int_in(1, 16), default=3)
+    eagle.add_argument("--variant", default="eagle3", choices=["eagle3", "eagle1"],
+                       help="eagle3: three target streams fused, token loss (exports for vLLM); eagle1: the last "
+                            "layer's stream, the target's own readout, feature regression plus token loss")
     eagle.add_argument("--init", default=None, metavar="HEAD_DIR",
                        help="start from a trained head (eagle:PATH, or `eagle` for the one shipped for the target) "
                        "and train it further; its draft vocabulary stays")
@@ -207,18 +210,18 @@ def _head_path(ref: str, target) -> str:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from specdraft.drafters.eagle import default_aux_layer_ids
+    from specdraft.drafters.eagle import EagleConfig
     from specdraft.runtime.loader import load_model
     from specdraft.train.data import model_identity, read_manifest, train_val_split
     from specdraft.train.eagle import TrainConfig, train_eagle
 
     manifest = read_manifest(args.data)
-    config = TrainConfig(**_loop_settings(args), ttt_steps=args.ttt_steps)
+    config = TrainConfig(**_loop_settings(args), ttt_steps=args.ttt_steps, variant=args.variant)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.init is not None:
         config.init_head = _head_path(args.init, target)
     info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
-    aux = [i - 1 for i in default_aux_layer_ids(target.config.num_layers)]
+    aux = EagleConfig.for_target(target, variant=args.variant).hidden_layers
     train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))
     result = train_eagle(target, train, val, args.out, config, resume=args.resume, target_info=info)
     val = result.history["val_agreement"]
