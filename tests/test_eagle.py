@@ -436,8 +436,9 @@ def test_eagle1_variant_learns_the_targets_next_feature(target, dataset, tmp_pat
     # towards the next one (measured 0.522 against 0.561; 0.264 from the current one).
     assert distance(fresh, offset=0) < 1e-3 and distance(head, offset=0) > 0.1
     assert distance(head) < 0.97 * distance(fresh)
-    assert result.history["loss"][-1] < result.history["loss"][0]
-    assert min(result.history["val_agreement"][-1]) > 0.15
+    loss = result.history["loss"]
+    assert sum(loss[-10:]) / 10 < 0.95 * sum(loss[:10]) / 10  # measured: 1.376 against 1.579
+    assert min(result.history["val_agreement"][-1]) > 0.15  # measured: 0.28
     trained = make_drafter(f"eagle:{tmp_path}", target, ToyTokenizer(VOCAB), max_len=256, max_batch=3)
     plain, spec = engine(target), engine(target, trained, k=3, tree=4, max_batch=3)
     params = SamplingParams(temperature=0, max_tokens=40)
