@@ -17,7 +17,6 @@ while its lm_head rows (N x hidden size) are read from memory at every draft ste
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -28,7 +27,7 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
 from specdraft.runtime.loader import load_model, load_tokenizer
-from specdraft.train.data import load_split, read_manifest, read_shard
+from specdraft.train.data import load_split, read_shard, split_shards
 from specdraft.train.loop import draft_vocabulary
 from specdraft.verify.sampling import SamplingParams
 
@@ -36,10 +35,9 @@ from specdraft.verify.sampling import SamplingParams
 def held_out_responses(data_dir: str) -> list[list[int]]:
     """The response tokens (after each prompt) of DATA's validation split."""
     out = []
-    for shard in read_manifest(data_dir)["shards"]:
-        if shard["split"] == "val":
-            seqs, prompt_lens = read_shard(Path(data_dir) / shard["file"])
-            out += [seq[n:] for seq, n in zip(seqs, prompt_lens)]
+    for path in split_shards(data_dir, "val"):
+        seqs, prompt_lens = read_shard(path)
+        out += [seq[n:] for seq, n in zip(seqs, prompt_lens)]
     return out
 
 

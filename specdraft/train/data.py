@@ -100,17 +100,19 @@ def load_split(data_dir: str | Path, split: str) -> list[list[int]]:
     return [seq for seq, _ in load_split_with_features(data_dir, split, [])]
 
 
+def split_shards(data_dir: str | Path, split: str) -> list[Path]:
+    """The shard files of a split ("train" or "val"), in order."""
+    return [Path(data_dir) / s["file"] for s in read_manifest(data_dir)["shards"] if s["split"] == split]
+
+
 def load_split_with_features(data_dir: str | Path, split: str, layers: list[int]
                              ) -> list[tuple[list[int], dict[int, torch.Tensor]]]:
     """Every (sequence, {layer: features}) of a split in shard order; no layers: tokens only ({})."""
-    manifest = read_manifest(data_dir)
     out: list[tuple[list[int], dict[int, torch.Tensor]]] = []
-    for shard in manifest["shards"]:
-        if shard["split"] == split:
-            path = Path(data_dir) / shard["file"]
-            seqs, _ = read_shard(path)
-            feats = read_features(path, layers) if layers else [{} for _ in seqs]
-            out.extend(zip(seqs, feats))
+    for path in split_shards(data_dir, split):
+        seqs, _ = read_shard(path)
+        feats = read_features(path, layers) if layers else [{} for _ in seqs]
+        out.extend(zip(seqs, feats))
     return out
 
 

@@ -78,7 +78,7 @@ def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequ
     if head.eagle.variant == "eagle1":
         with torch.no_grad():
             head.fc.weight.copy_(torch.eye(head.config.hidden_size))
-            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target].float())
+            head.lm_head.weight.copy_(draft_readout(target, head.draft_to_target))
             head.norm.weight.copy_(target.norm.weight.float() + (1.0 if target.config.is_gemma else 0.0))
         return _trainable(head.float())
     if config.init_from_target:
@@ -89,7 +89,7 @@ def new_head(target: Transformer, config: TrainConfig, train_seqs: Sequence[Sequ
         with torch.no_grad():
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, 2 * dim:] += torch.eye(dim)
-            head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target].float())
+            head.lm_head.weight.copy_(draft_readout(target, head.draft_to_target))
             if not target.config.is_gemma:
                 head.norm.weight.copy_(target.norm.weight.float())
     return _trainable(head.float())

@@ -15,7 +15,7 @@ from specdraft.drafters.recycle import TABLE_FILE, NgramTable
 from specdraft.drafters.shipped import target_signature
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
-from specdraft.train.data import read_manifest, read_shard
+from specdraft.train.data import read_manifest, read_shard, split_shards
 
 
 def build_ngram_table(target: Transformer, data_dir: str | Path, out_dir: str | Path, top: int = 4,
@@ -23,7 +23,7 @@ def build_ngram_table(target: Transformer, data_dir: str | Path, out_dir: str | 
     """Count the training split of `data_dir` into a table saved as `out_dir`/table.safetensors, with a
     config.json that names the target (found again by `recycle` without a path)."""
     manifest = read_manifest(data_dir)
-    shards = [Path(data_dir) / s["file"] for s in manifest["shards"] if s["split"] == "train"]
+    shards = split_shards(data_dir, "train")
     if not shards:
         raise SpecdraftError(f"{data_dir} has no training shards: run `specdraft distill` first")
     t0 = time.perf_counter()
