@@ -32,7 +32,7 @@ output token for token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,10 +293,11 @@ class Engine:
                 return chunk.result
         raise AssertionError("stream ended without a result")
 
-    def generate_many(self, prompts: Sequence[Sequence[int]],
-                      params: Sequence[SamplingParams]) -> list[GenerationResult]:
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                      on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Every prompt, up to `max_batch` at a time (admitted as others finish); results in input order.
-        All requests are validated before any runs, so a bad one cannot leave half a batch done."""
+        All requests are validated before any runs, so a bad one cannot leave half a batch done. `on_result`
+        hears of each result (its input position and it) as it finishes: a long run's progress."""
         if len(prompts) != len(params):
             raise SpecdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
         for ids, p in zip(prompts, params):
@@ -315,6 +316,8 @@ class Engine:
                     if chunk.result is not None:
                         results[index[chunk.request_id]] = chunk.result
                         del active[chunk.request_id]
+                        if on_result is not None:
+                            on_result(index[chunk.request_id], chunk.result)
         finally:
             for request in active.values():
                 self.release(request)

@@ -1,4 +1,5 @@
-"""`specdraft distill`, `specdraft train eagle|medusa|ngram-table` and `specdraft export eagle`."""
+"""`specdraft self-prompts`, `specdraft distill`, `specdraft train eagle|medusa|ngram-table` and
+`specdraft export eagle`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def add_commands(sub) -> None:
                          "quantization, is the fastest on CPU; its features are recorded in bf16 like the others")
     distill.add_argument("--seed", type=int, default=0)
     distill.set_defaults(func=cmd_distill)
+
+    prompts = sub.add_parser("self-prompts", help="prompts a chat target writes itself (Magpie), for distill")
+    prompts.add_argument("--model", required=True, help="a chat model: catalog name, HF directory or .gguf file")
+    prompts.add_argument("--out", required=True, help="the JSONL prompt file to write")
+    prompts.add_argument("--num", type=arg_int_in(1), default=2000, help="messages to draw (fewer are kept: "
+                         "those the model ended itself, of 16 characters or more, no repeats)")
+    prompts.add_argument("--max-tokens", type=arg_int_in(1), default=160)
+    prompts.add_argument("--temperature", type=float, default=1.0)
+    prompts.add_argument("--top-p", type=float, default=0.95)
+    prompts.add_argument("--max-batch", type=arg_int_in(1, 256), default=32)
+    prompts.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "gguf"],
+                         help="the target's weights while it writes (as for distill)")
+    prompts.add_argument("--seed", type=int, default=0)
+    prompts.set_defaults(func=cmd_self_prompts)
 
     train = sub.add_parser("train", help="train a drafter on distilled data")
     kinds = train.add_subparsers(dest="kind", required=True)
@@ -174,6 +189,21 @@ def _recorded(data_dir: str, layers: list[int]) -> list[int]:
     print(f"{data_dir} has no recorded features for layers {sorted(set(layers) - have)}: recomputing them with a "
           f"target forward per batch (distill with --features heads to record them)")
     return []
+
+
+def cmd_self_prompts(args: argparse.Namespace) -> int:
+    from specdraft.runtime.loader import load_model, load_tokenizer
+    from specdraft.train.self_prompts import SelfPromptConfig, self_prompts, user_turn_prefix, write_prompts
+
+    config = SelfPromptConfig(num=args.num, max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed, max_batch=args.max_batch)
+    tokenizer = load_tokenizer(args.model)
+    prefix = user_turn_prefix(tokenizer)  # before loading the weights: a base model is refused at once
+    kept, counts = self_prompts(load_model(args.model, dtype=args.dtype), tokenizer, config, prefix)
+    write_prompts(args.out, kept)
+    print(f"{args.out}: {counts['kept']} prompts kept of {counts['drawn']} drawn ({counts['tokens']} tokens in "
+          f"{counts['seconds']:.0f} s, {counts['tokens'] / max(counts['seconds'], 1e-9):.0f} tok/s)")
+    return 0
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
