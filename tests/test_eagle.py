@@ -569,6 +569,34 @@ def test_distill_records_the_targets_own_features(target, tmp_path):
         train_val_split(tmp_path, layers=[1])
 
 
+def test_training_data_can_be_several_distillations(target, tmp_path, capsys):
+    """`--data A,B`: the sequences of each, concatenated in order, split as each was; recorded features are
+    read only where every one recorded them; a directory that is not a distillation is named."""
+    from specdraft.train.cli import _data_settings, _recorded
+    from specdraft.train.data import data_dirs, train_val_splits
+
+    layers = [-1, 0]
+    a, b = tmp_path / "a", tmp_path / "b"
+    distill(target, ToyTokenizer(VOCAB), ["abc", "defg", "hij", "kl"], a,
+            DistillConfig(max_tokens=6, shard_size=2, max_batch=2, hidden_layers=layers, val_fraction=0.25),
+            {"model": "tiny", "run": "a"}, progress=False)
+    distill(target, ToyTokenizer(VOCAB), ["mno", "pa"], b, DistillConfig(max_tokens=5, shard_size=2, val_fraction=0.5),
+            {"model": "tiny", "run": "b"}, progress=False)
+    dirs = data_dirs(f"{a},{b}")
+    assert dirs == [str(a), str(b)]
+    train, val = train_val_splits(dirs)
+    assert train == load_split(a, "train") + load_split(b, "train") and len(train) == 4
+    assert val == load_split(a, "val") + load_split(b, "val") and len(val) == 2
+    assert _recorded([str(a)], layers) == layers
+    assert _recorded(dirs, layers) == []  # b recorded none: recompute for all
+    assert "no recorded features for layers [-1, 0]" in capsys.readouterr().out
+    assert [s["run"] for s in _data_settings(dirs)] == ["a", "b"] and _data_settings([str(a)])["run"] == "a"
+    with pytest.raises(SpecdraftError, match="no manifest.json"):
+        data_dirs(f"{a},{tmp_path / 'missing'}")
+    with pytest.raises(SpecdraftError, match="names no directory"):
+        data_dirs(" , ")
+
+
 def test_training_on_recorded_features_matches_recomputing_them(target, tmp_path):
     """One batch from recorded features gives the head the inputs and soft labels a target forward gives."""
     from specdraft.train.eagle import _Batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import ToyTokenizer, tiny_model
 
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
@@ -17,7 +18,6 @@ from specdraft.train.self_prompts import (
     user_turn_prefix,
     write_prompts,
 )
-from tests.tiny_models import ToyTokenizer, tiny_model
 
 VOCAB = 16
 EOS = 0

@@ -79,7 +79,8 @@ def add_commands(sub) -> None:
 def _add_training_arguments(parser: argparse.ArgumentParser, what: str, lr: float) -> None:
     """The options every head's training takes (`LoopConfig`'s settings, the data, the target)."""
     parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True, help="a `specdraft distill` output directory")
+    parser.add_argument("--data", required=True, help="a `specdraft distill` output directory, or several "
+                        "separated by commas, trained on as one")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=arg_int_in(1), default=1000)
     parser.add_argument("--draft-vocab", type=arg_int_in(1), default=None,
@@ -110,14 +111,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"
 
 def cmd_train_medusa(args: argparse.Namespace) -> int:
     from specdraft.runtime.loader import load_model
-    from specdraft.train.data import model_identity, read_manifest, train_val_split
+    from specdraft.train.data import data_dirs, model_identity, train_val_splits
     from specdraft.train.medusa import MedusaTrainConfig, train_medusa
 
-    manifest = read_manifest(args.data)
+    dirs = data_dirs(args.data)
     config = MedusaTrainConfig(**_loop_settings(args), heads=args.heads)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
-    info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
-    train, val = train_val_split(args.data, layers=_recorded(args.data, [-1]))
+    info = {**model_identity(args.model), "data_settings": _data_settings(dirs)}
+    train, val = train_val_splits(dirs, layers=_recorded(dirs, [-1]))
     _, history = train_medusa(target, train, val, args.out, config, resume=args.resume, target_info=info)
     if history["val_agreement"]:
         print("validation top-1 agreement per head: " + " ".join(f"{a:.3f}" for a in history["val_agreement"][-1]))
@@ -177,18 +178,27 @@ def cmd_export_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recorded(data_dir: str, layers: list[int]) -> list[int]:
-    """`layers` when the distillation recorded them all (training reads them), else [] (training recomputes
+def _recorded(dirs: list[str], layers: list[int]) -> list[int]:
+    """`layers` when every distillation recorded them all (training reads them), else [] (training recomputes
     the target's features with a forward per batch, several times slower), with a message either way."""
     from specdraft.train.data import recorded_layers
 
-    have = set(recorded_layers(data_dir))
-    if set(layers) <= have:
-        print(f"training on the target features recorded in {data_dir} (layers {sorted(layers)})")
+    where = ", ".join(dirs)
+    missing = sorted({layer for d in dirs for layer in set(layers) - set(recorded_layers(d))})
+    if not missing:
+        print(f"training on the target features recorded in {where} (layers {sorted(layers)})")
         return sorted(layers)
-    print(f"{data_dir} has no recorded features for layers {sorted(set(layers) - have)}: recomputing them with a "
-          f"target forward per batch (distill with --features heads to record them)")
+    print(f"{where}: no recorded features for layers {missing}: recomputing them with a target forward per batch "
+          f"(distill with --features heads to record them)")
     return []
+
+
+def _data_settings(dirs: list[str]) -> dict | list[dict]:
+    """What the head's card keeps of its data: the distillation's settings (a list of them for several)."""
+    from specdraft.train.data import read_manifest
+
+    settings = [read_manifest(d).get("settings", {}) for d in dirs]
+    return settings[0] if len(settings) == 1 else settings
 
 
 def cmd_self_prompts(args: argparse.Namespace) -> int:
@@ -242,17 +252,17 @@ def _head_path(ref: str, target) -> str:
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     from specdraft.drafters.eagle import EagleConfig
     from specdraft.runtime.loader import load_model
-    from specdraft.train.data import model_identity, read_manifest, train_val_split
+    from specdraft.train.data import data_dirs, model_identity, train_val_splits
     from specdraft.train.eagle import TrainConfig, train_eagle
 
-    manifest = read_manifest(args.data)
+    dirs = data_dirs(args.data)
     config = TrainConfig(**_loop_settings(args), ttt_steps=args.ttt_steps, variant=args.variant)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.init is not None:
         config.init_head = _head_path(args.init, target)
-    info = {**model_identity(args.model), "data_settings": manifest.get("settings", {})}
+    info = {**model_identity(args.model), "data_settings": _data_settings(dirs)}
     aux = EagleConfig.for_target(target, variant=args.variant).hidden_layers
-    train, val = train_val_split(args.data, layers=_recorded(args.data, [*aux, -1]))
+    train, val = train_val_splits(dirs, layers=_recorded(dirs, [*aux, -1]))
     result = train_eagle(target, train, val, args.out, config, resume=args.resume, target_info=info)
     val = result.history["val_agreement"]
     if val:

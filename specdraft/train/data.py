@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -131,6 +132,29 @@ def train_val_split(data_dir: str | Path, val_fraction: float = 0.05, layers: li
         warnings.warn(f"{data_dir} has no validation split (distillation unfinished): holding out its last "
                       f"{held} training sequences", stacklevel=2)
         train, val = train[:-held], train[-held:]
+    return train, val
+
+
+def data_dirs(spec: str) -> list[str]:
+    """`--data A[,B,...]`: one distillation, or several trained on as one (a prompt file's answers with those
+    to prompts the target wrote itself, say); each must be a distillation."""
+    dirs = [d.strip() for d in spec.split(",") if d.strip()]
+    if not dirs:
+        raise SpecdraftError("--data names no directory")
+    for d in dirs:
+        read_manifest(d)
+    return dirs
+
+
+def train_val_splits(dirs: Sequence[str | Path], val_fraction: float = 0.05, layers: list[int] | None = None
+                     ) -> tuple[list, list]:
+    """`train_val_split` of each distillation, concatenated in the order given."""
+    train: list = []
+    val: list = []
+    for data_dir in dirs:
+        t, v = train_val_split(data_dir, val_fraction, layers)
+        train += t
+        val += v
     return train, val
 
 
