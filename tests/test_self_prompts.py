@@ -45,7 +45,7 @@ def test_keep_prompt_drops_cut_short_and_repeated_messages():
     assert keep_prompt("Tell me a story about a dragon", "stop", seen, 16)
 
 
-@pytest.mark.parametrize("bad", [{"num": 0}, {"temperature": 0.0}, {"max_batch": 0}])
+@pytest.mark.parametrize("bad", [{"num": 0}, {"temperature": 0.0}, {"max_batch": 0}, {"top_p": 1.5}])
 def test_self_prompt_config_refuses_nonsense(bad):
     with pytest.raises(SpecdraftError):
         SelfPromptConfig(**bad)

@@ -45,6 +45,7 @@ class SelfPromptConfig:
             raise SpecdraftError("num, max_tokens and max_batch must be at least 1")
         if self.temperature <= 0:
             raise SpecdraftError(f"self-written prompts are sampled: temperature must be > 0, got {self.temperature}")
+        self.params(0)  # top_p and the rest checked now, before any weights load
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
