@@ -19,6 +19,7 @@ from specdraft.cli import main
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
+from specdraft.errors import SpecdraftError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.server import ServedModel, create_app, create_app_lazy, serve_in_thread
@@ -622,6 +623,14 @@ def test_bench_serve_rows_are_the_median_of_alternated_repeats():
     assert median_run(runs[:1]) == runs[0]
 
 
+def test_bench_serve_passes_alternate_which_mode_runs_first():
+    from specdraft.bench.serve_bench import pass_order
+
+    modes = [("plain", "url1"), ("ngram", "url2")]
+    assert [pass_order(modes, r)[0][0] for r in range(4)] == ["plain", "ngram", "plain", "ngram"]
+    assert sorted(pass_order(modes, 1)) == sorted(modes) and pass_order(modes[:1], 1) == modes[:1]
+
+
 def test_bench_serve_scaling_is_the_median_of_each_passes_ratio():
     from specdraft.bench.serve_bench import _scaling
 
@@ -660,12 +669,44 @@ def test_bench_serve_plot_shows_the_levels_and_the_paired_ratios(tmp_path):
         assert image.size[0] > 3 * image.size[1]  # four panels side by side
 
 
-def test_bench_serve_direct_reference_runs_the_same_requests_without_a_server(target, tokenizer):
-    """The concurrency-1 reference of `bench-serve`: the same greedy requests on an engine called directly."""
-    from specdraft.bench.serve_bench import _direct_level
+def test_bench_serve_server_cost_pairs_each_request_with_the_engine_alone(server, target, tokenizer, monkeypatch):
+    """The concurrency-1 reference of `bench-serve`: each request on an engine called directly and through the
+    server, streamed and not, one after another in rotating order; the cost is the median of the ratios."""
+    import argparse
 
-    row = _direct_level(make_engine(target, tokenizer, max_batch=1, drafter=False), tokenizer, ["abc", "hello"], 6)
-    assert row["mode"] == "direct" and row["output_tokens"] == 12 and row["throughput_tok_s"] > 0
+    from specdraft.bench import serve_bench
+
+    url, _ = server
+    engine = make_engine(target, tokenizer, max_batch=1, drafter=False)
+    seconds, tokens = serve_bench._direct_request(engine, tokenizer, "abc", 6)
+    assert seconds > 0 and tokens == 6
+    # one request on the client's kept connection, from no cached prompt each time
+    for _ in range(2):
+        seconds, tokens = serve_bench._timed_request(url, NAME, "abcabc", 5, None, True)
+        assert seconds > 0 and tokens == 5
+    assert serve_bench._timed_request(url, NAME, "abc", 3, None, False)[1] == 3
+    with pytest.raises(SpecdraftError, match="404"):
+        serve_bench._timed_request(url, "no-such-model", "abc", 3, None, True)
+
+    order = []
+
+    def direct(prompt, max_tokens):
+        order.append("direct")
+        return serve_bench._direct_request(engine, tokenizer, prompt, max_tokens)
+
+    timed = serve_bench._timed_request
+    monkeypatch.setattr(serve_bench, "_timed_request",
+                        lambda *a: order.append("stream" if a[-1] else "non_streaming") or timed(*a))
+    monkeypatch.setattr(serve_bench, "OVERHEAD_REPEATS", 2)
+    rows = []
+    args = argparse.Namespace(model=NAME, max_tokens=4, api_key=None)
+    with ThreadPoolExecutor(1) as clients:
+        overhead = serve_bench._server_overhead(clients, url, direct, ["abc", "hello", "xyz"], args, rows)
+    assert set(overhead) == {"stream", "non_streaming"} and all(v > -1 for v in overhead.values())
+    assert rows[0]["mode"] == "direct" and rows[0]["output_tokens"] == 12 and rows[0]["throughput_tok_s"] > 0
+    assert all(len(v) == 6 for v in rows[0]["request_s"].values())  # 2 passes x 3 requests, each way
+    firsts = order[::3]  # the way asked first for each request rotates, so none always runs first
+    assert len(order) == 18 and firsts == ["direct", "stream", "non_streaming"] * 2
 
 
 # ---------------------------------------------------------------------------------------- the bundled model

@@ -3,12 +3,13 @@
 For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
 the same requests (the suite's first turns, 2 x the highest level by default; greedy, `ignore_eos` so every
 answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Each of
-`--repeats` passes runs every level, plain then speculative, so machine noise hits levels and modes alike; each
-row is the run of median throughput; each level's scaling over concurrency 1, and the drafter's throughput
-over plain decoding's, are the medians of the passes' own ratios (`scaling`, `speculative_over_plain`: pairs
-that ran side by side, so the VM's drift between passes cancels). At concurrency 1 the same requests also
-run on an engine called directly (`direct`, what `LLM.generate` does), alternated with the plain server
-streamed and not, so the server's own cost is measured in the same run.
+`--repeats` passes runs every level, plain and speculative (which one first alternates), so machine noise hits
+levels and modes alike; each row is the run of median throughput; each level's scaling over concurrency 1, and
+the drafter's throughput over plain decoding's, are the medians of the passes' own ratios (`scaling`,
+`speculative_over_plain`: pairs that ran side by side, so the VM's drift between passes cancels). At
+concurrency 1 the same requests also run on an engine called directly (`direct`, what `LLM.generate` does) and
+through the plain server, streamed and not, one request at a time in turn, so the server's own cost is
+measured in the same run, request by request.
 Every run starts with no prompt cached (`POST /reset_prefix_cache`; the direct engine's `restore_prefixes`):
 repeats send the same prompts, and the servers' slots would otherwise hand them their earlier entries.
 Reported per level and mode, as vLLM's `benchmark_serving` does:
@@ -45,9 +46,10 @@ from urllib.parse import urlsplit
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 from specdraft.errors import SpecdraftError
 
-# Alternated runs of the plain server and the engine alone at concurrency 1, for the server's cost: at 3 the
-# median moved from -5% to +22% between runs on a busy VM (stop 34).
-OVERHEAD_REPEATS = 7
+# Passes over the requests for the server's cost at concurrency 1, each request asked of the engine alone and of
+# the plain server (streamed and not) in turn: with whole runs alternated instead, 3 runs moved the median from
+# -5% to +22% on a busy VM (stop 34) and 7 from +7.5% to +15.7% (stop 46).
+OVERHEAD_REPEATS = 4
 READ_SIZE = 1 << 16  # bytes a streaming client takes from its socket at a time
 
 
@@ -175,6 +177,33 @@ def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, m
             conn.close()
 
 
+_CONNECTIONS: dict[str, http.client.HTTPConnection] = {}  # the client process's keep-alive connection per URL
+
+
+def _timed_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None,
+                   stream: bool) -> tuple[float, int]:
+    """One request on this process's keep-alive connection to `url` after an untimed `/reset_prefix_cache`
+    (as `_direct_request` starts from no cached prompt): (wall seconds, output tokens). Raises on an error."""
+    conn = _CONNECTIONS.get(url)
+    if conn is None:
+        parts = urlsplit(url)
+        conn = _CONNECTIONS[url] = http.client.HTTPConnection(parts.hostname, parts.port, timeout=3600)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        conn.request("POST", "/reset_prefix_cache", headers=headers)
+        conn.getresponse().read()
+        start = time.perf_counter()
+        result = _one_request(conn, model, prompt, max_tokens, stream, headers)
+        wall = time.perf_counter() - start
+    except (OSError, http.client.HTTPException):
+        del _CONNECTIONS[url]
+        conn.close()
+        raise
+    if "error" in result:
+        raise SpecdraftError(f"a request to {url} failed: {result['error']}")
+    return wall, result["tokens"]
+
+
 # ------------------------------------------------------------------------------------------ statistics
 
 
@@ -209,6 +238,13 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
         values = [r[name] for r in ok if r.get(name) is not None]
         row[name] = sum(values) / len(values) if values else None
     return row
+
+
+def pass_order(modes: Sequence[Any], repeat: int) -> list[Any]:
+    """The order in which pass `repeat` runs the modes at a level: reversed every other pass, so neither mode
+    always runs second, after the other has had the cores (at stop 49 two passes of five ran ngram 0.80-0.82x
+    plain at 8 clients, the other three 0.95-0.97x, with plain always first)."""
+    return list(modes) if repeat % 2 == 0 else list(reversed(modes))
 
 
 def _median_ratio(tops: Sequence[float | None], bottoms: Sequence[float | None]) -> float | None:
@@ -333,22 +369,22 @@ def _servers(args: argparse.Namespace, max_batch: int):
         stack.close()
         raise
     direct = build_engine(target, tokenizer, None, 0)
-    return stack, urls, lambda prompts, max_tokens: _direct_level(direct, tokenizer, prompts, max_tokens)
+    return stack, urls, lambda prompt, max_tokens: _direct_request(direct, tokenizer, prompt, max_tokens)
 
 
-def _direct_level(engine: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
-    """The same requests, one at a time, on an engine called in this process (what `LLM.generate` runs),
-    with no server in between: the reference for the server's cost at concurrency 1."""
+def _direct_request(engine: Any, tokenizer: Any, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """One request on an engine called in this process (what `LLM.generate` runs), with no server in between,
+    from no cached prompt (as the servers' requests, after `/reset_prefix_cache`): (wall seconds, output tokens),
+    the reference for the server's cost at concurrency 1. The prompt is tokenized before the clock starts (the
+    server's tokenizing is part of its cost)."""
     from specdraft.verify.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine.restore_prefixes({})  # as the servers' runs: no prompt cached by an earlier run
-    start, tokens = time.perf_counter(), 0
-    for prompt in prompts:
-        tokens += len(engine.generate(tokenizer.prompt_ids(prompt, chat=tokenizer.has_chat_template), params).token_ids)
-    wall = time.perf_counter() - start
-    return {"mode": "direct", "concurrency": 1, "requests": len(prompts), "errors": 0, "output_tokens": tokens,
-            "duration_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else None}
+    ids = tokenizer.prompt_ids(prompt, chat=tokenizer.has_chat_template)
+    engine.restore_prefixes({})
+    start = time.perf_counter()
+    tokens = len(engine.generate(ids, params).token_ids)
+    return time.perf_counter() - start, tokens
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -384,7 +420,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, mode): [] for c in levels for mode in urls}
         for repeat in range(args.repeats):  # levels and modes alternated, so machine noise hits each alike
             for concurrency in levels:
-                for mode, url in urls.items():
+                for mode, url in pass_order(list(urls.items()), repeat):
                     results, wall = clients.submit(_run_level, url, args.model, prompts, concurrency,
                                                    args.max_tokens, args.api_key).result()
                     runs[concurrency, mode].append(summarize(mode, concurrency, results, wall))
@@ -423,36 +459,49 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompts: Sequence[str],
-                     args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The server's cost at concurrency 1: the same requests through the plain server, streamed and not, and
-    on the engine directly, alternated OVERHEAD_REPEATS times (the cost is a few percent, this VM's speed
-    moves by more from minute to minute); per way of asking, the median of each alternation's served / direct
-    time, minus one. Streaming pays for an event per token: the server's event loop and the client's parser
-    share the cores with the forwards. A non-streaming request is what `LLM.generate` returns: one answer at
-    the end."""
-    served: dict[str, list[float]] = {"stream": [], "non_streaming": []}
-    direct_rows = []
-
-    def served_s(stream: bool) -> float:
-        return clients.submit(_run_level, url, args.model, prompts, 1, args.max_tokens, args.api_key,
-                              stream).result()[1]
-
-    for _ in range(OVERHEAD_REPEATS):
-        served["stream"].append(served_s(True))
-        served["non_streaming"].append(served_s(False))
-        direct_rows.append(direct(prompts, args.max_tokens))
-    direct_s = [r["duration_s"] for r in direct_rows]
-    median_direct = statistics.median(direct_s)
-    rows.append({**direct_rows[0], "duration_s": median_direct,
-                 "throughput_tok_s": direct_rows[0]["output_tokens"] / median_direct,
-                 "repeats_s": {"served": served["stream"], "served_non_streaming": served["non_streaming"],
-                               "direct": direct_s}})
-    overhead = {way: _median_ratio(times, direct_s) - 1 for way, times in served.items()}
-    print(f"direct     c=1   {_fmt(rows[-1]['throughput_tok_s'])} tok/s  (the engine without the server; "
-          f"alternated {OVERHEAD_REPEATS} times, medians of each alternation's ratio: the server costs "
-          f"{overhead['stream']:+.1%} streamed, "
-          f"{overhead['non_streaming']:+.1%} not streamed, at concurrency 1)", flush=True)
+                     args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The server's cost at concurrency 1: each request on the engine directly and through the plain server,
+    streamed and not, one after another (the three in turn, the order rotating), OVERHEAD_REPEATS passes;
+    per way of asking, the median over requests of served / direct time, minus one. Pairs a second apart
+    cancel the VM's drift, which moves its speed 10% from minute to minute (whole runs alternated read +7.5%
+    to +15.7% at stop 46). Streaming pays for an event per token: the server's event loop and the client's
+    reads share the cores with the forwards. A non-streaming request is what `LLM.generate` returns: one
+    answer at the end."""
+    ways: dict[str, Any] = {
+        "direct": lambda prompt: direct(prompt, args.max_tokens),
+        "stream": lambda prompt: clients.submit(_timed_request, url, args.model, prompt, args.max_tokens,
+                                                args.api_key, True).result(),
+        "non_streaming": lambda prompt: clients.submit(_timed_request, url, args.model, prompt, args.max_tokens,
+                                                       args.api_key, False).result(),
+    }
+    names = list(ways)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    direct_passes: list[float] = []
+    tokens = 0
+    for repeat in range(OVERHEAD_REPEATS):
+        for i, prompt in enumerate(prompts):
+            shift = (repeat * len(prompts) + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                seconds, count = ways[name](prompt)
+                times[name].append(seconds)
+                if name == "direct" and repeat == 0:
+                    tokens += count
+        direct_passes.append(sum(times["direct"][-len(prompts):]))
+    median_direct = statistics.median(direct_passes)
+    rows.append({"mode": "direct", "concurrency": 1, "requests": len(prompts), "errors": 0, "output_tokens": tokens,
+                 "duration_s": median_direct, "throughput_tok_s": tokens / median_direct,
+                 "request_s": {name: values for name, values in times.items()}})
+    overhead = {way: _median_ratio(times[way], times["direct"]) for way in ("stream", "non_streaming")}
+    overhead = {way: None if ratio is None else ratio - 1 for way, ratio in overhead.items()}
+    print(f"direct     c=1   {_fmt(rows[-1]['throughput_tok_s'])} tok/s  (the engine without the server; each "
+          f"request also through the server, {OVERHEAD_REPEATS} x {len(prompts)} pairs, medians of their ratios: "
+          f"the server costs {_fmt_share(overhead['stream'])} streamed, {_fmt_share(overhead['non_streaming'])} "
+          f"not streamed, at concurrency 1)", flush=True)
     return overhead
+
+
+def _fmt_share(value: float | None) -> str:
+    return "-" if value is None else format(value, "+.1%")
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
