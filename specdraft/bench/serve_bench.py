@@ -490,18 +490,14 @@ def _server_overhead(clients: ProcessPoolExecutor, url: str, direct: Any, prompt
     median_direct = statistics.median(direct_passes)
     rows.append({"mode": "direct", "concurrency": 1, "requests": len(prompts), "errors": 0, "output_tokens": tokens,
                  "duration_s": median_direct, "throughput_tok_s": tokens / median_direct,
-                 "request_s": {name: values for name, values in times.items()}})
+                 "request_s": dict(times)})
     overhead = {way: _median_ratio(times[way], times["direct"]) for way in ("stream", "non_streaming")}
     overhead = {way: None if ratio is None else ratio - 1 for way, ratio in overhead.items()}
     print(f"direct     c=1   {_fmt(rows[-1]['throughput_tok_s'])} tok/s  (the engine without the server; each "
           f"request also through the server, {OVERHEAD_REPEATS} x {len(prompts)} pairs, medians of their ratios: "
-          f"the server costs {_fmt_share(overhead['stream'])} streamed, {_fmt_share(overhead['non_streaming'])} "
-          f"not streamed, at concurrency 1)", flush=True)
+          f"the server costs {_fmt(overhead['stream'], '+.1%')} streamed, "
+          f"{_fmt(overhead['non_streaming'], '+.1%')} not streamed, at concurrency 1)", flush=True)
     return overhead
-
-
-def _fmt_share(value: float | None) -> str:
-    return "-" if value is None else format(value, "+.1%")
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
