@@ -680,7 +680,7 @@ def test_bench_serve_server_cost_pairs_each_request_with_the_engine_alone(server
     engine = make_engine(target, tokenizer, max_batch=1, drafter=False)
     seconds, tokens = serve_bench._direct_request(engine, tokenizer, "abc", 6)
     assert seconds > 0 and tokens == 6
-    # one request on the client's kept connection, from no cached prompt each time
+    # one request at a time on the client process's kept connection (two in a row reuse it)
     for _ in range(2):
         seconds, tokens = serve_bench._timed_request(url, NAME, "abcabc", 5, None, True)
         assert seconds > 0 and tokens == 5
