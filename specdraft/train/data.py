@@ -58,6 +58,14 @@ def write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int],
     tmp.replace(path)
 
 
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """`text` to `path` whole or not at all: an interrupted run leaves the old file (or none), never half of one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def read_features(path: Path, layers: list[int]) -> list[dict[int, torch.Tensor]]:
     """Per sequence of a shard, {layer: [positions, dim]} (views into the shard's tensors)."""
     from safetensors.torch import load_file

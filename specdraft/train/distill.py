@@ -38,7 +38,7 @@ from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
-from specdraft.train.data import MANIFEST, read_shard, shard_name, write_shard
+from specdraft.train.data import MANIFEST, read_shard, shard_name, write_shard, write_text_atomically
 from specdraft.verify.sampling import SamplingParams
 
 SAMPLED_TEMPERATURE = 0.7
@@ -277,9 +277,7 @@ def _write(out_dir: Path, manifest: dict, split: str, index: int, lo: int, hi: i
 
 
 def _write_manifest(path: Path, manifest: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(manifest, indent=2) + "\n")
 
 
 __all__ = ["DistillConfig", "FeatureRecorder", "distill", "encode_prompt", "read_prompts", "read_shard",

@@ -11,7 +11,6 @@ extraction templates, say) teaches it answers of another kind. `specdraft self-p
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.model import Transformer
+from specdraft.train.data import write_text_atomically
 from specdraft.verify.sampling import SamplingParams
 
 SENTINEL = "\ue000"  # a private-use character: no template writes it, so it marks where the content goes
@@ -99,8 +99,11 @@ def self_prompts(target: Transformer, tokenizer, config: SelfPromptConfig | None
             bar.close()
     seconds = time.perf_counter() - start
     seen: set[str] = set()
-    kept = [text for text, result in ((r.text.strip(), r) for r in results)
-            if keep_prompt(text, result.finish_reason, seen, config.min_chars)]
+    kept = []
+    for result in results:
+        text = result.text.strip()
+        if keep_prompt(text, result.finish_reason, seen, config.min_chars):
+            kept.append(text)
     tokens = sum(len(r.token_ids) for r in results)
     return kept, {"drawn": config.num, "kept": len(kept), "tokens": tokens, "seconds": round(seconds, 1)}
 
@@ -108,9 +111,5 @@ def self_prompts(target: Transformer, tokenizer, config: SelfPromptConfig | None
 def write_prompts(path: str | Path, prompts: Sequence[str]) -> None:
     """One `{"source": "self", "prompt": ...}` line each, written whole or not at all (an interrupted run
     leaves no half file for `distill` to read)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for text in prompts:
-            f.write(json.dumps({"source": SOURCE, "prompt": text}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(json.dumps({"source": SOURCE, "prompt": text}, ensure_ascii=False) + "\n"
+                                        for text in prompts))
