@@ -572,7 +572,7 @@ def test_bench_serve_client_measures_a_live_server(server, monkeypatch):
     """`bench-serve`'s load generator and statistics, against the tiny server (no model load)."""
     import socket
 
-    from specdraft.bench import serve_bench
+    from specdraft.bench import http_client
     from specdraft.bench.serve_bench import _health_status, _percentile, _run_level, summarize
 
     url, _ = server
@@ -586,9 +586,12 @@ def test_bench_serve_client_measures_a_live_server(server, monkeypatch):
     row = summarize("ngram", 2, results, wall)
     assert row["errors"] == 0 and row["output_tokens"] == 18 and row["throughput_tok_s"] > 0
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] is not None
+    # the load generator's own CPU, per request and per output token of the level
+    assert all(0 < r["client_cpu_s"] < r["e2e_s"] + 0.05 for r in results)
+    assert row["client_cpu_us_per_token"] == pytest.approx(1e6 * sum(r["client_cpu_s"] for r in results) / 18)
     assert _percentile([1, 2, 3, 4], 50) == 2.5 and _percentile([], 99) is None
     # Events split over reads (7 bytes at a time) are put back together: the same tokens and events.
-    monkeypatch.setattr(serve_bench, "READ_SIZE", 7)
+    monkeypatch.setattr(http_client, "READ_SIZE", 7)
     split, _ = _run_level(url, NAME, ["abc", "hello", "xyz"], 2, 6, None)
     assert [r["tokens"] for r in split] == [r["tokens"] for r in results] == [6, 6, 6]
     assert [len(r["itl_s"]) for r in split] == [len(r["itl_s"]) for r in results]

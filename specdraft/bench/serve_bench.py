@@ -27,7 +27,6 @@ Writes `serve.json` and `serve.png` to `--out`. `--url` measures a server that i
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import multiprocessing
 import queue
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from specdraft.bench.http_client import Connection, ProtocolError
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 from specdraft.errors import SpecdraftError
 
@@ -50,7 +50,6 @@ from specdraft.errors import SpecdraftError
 # the plain server (streamed and not) in turn: with whole runs alternated instead, 3 runs moved the median from
 # -5% to +22% on a busy VM (stop 34) and 7 from +7.5% to +15.7% (stop 46).
 OVERHEAD_REPEATS = 4
-READ_SIZE = 1 << 16  # bytes a streaming client takes from its socket at a time
 
 
 def _levels(text: str) -> list[int]:
@@ -88,31 +87,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------------------ the client
 
 
-def _one_request(conn: http.client.HTTPConnection, model: str, prompt: str, max_tokens: int,
-                 stream: bool = True, headers: dict[str, str] | None = None) -> dict[str, Any]:
+def _one_request(conn: Connection, model: str, prompt: str, max_tokens: int, stream: bool = True,
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    sent = time.perf_counter()
+    sent, cpu = time.perf_counter(), time.thread_time()
     events: list[float] = []
     usage: dict[str, Any] | None = None
-    lines: list[tuple[float, bytes]] = []
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json", **(headers or {})})
-    response = conn.getresponse()
-    if response.status != 200:
-        return {"error": f"HTTP {response.status}: {response.read()[:200]!r}"}
-    if not stream:
-        usage = json.loads(response.read()).get("usage")
-        events.append(time.perf_counter())
-    else:
-        pending = b""
-        while data := response.read1(READ_SIZE):  # what has arrived, timed; parsed once the stream is over
-            arrived = time.perf_counter()
-            *complete, pending = (pending + data).split(b"\n")
-            lines.extend((arrived, line) for line in complete)
+    # Every piece is only timed as it arrives (the client shares the server's cores); parsed once it is over.
+    status, pieces = conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                  {"Content-Type": "application/json", **(headers or {})})
     done = time.perf_counter()
+    if status != 200:
+        return {"error": f"HTTP {status}: {b''.join(piece for _, piece in pieces)[:200]!r}"}
+    lines: list[tuple[float, bytes]] = []  # each with the time its last piece arrived
+    if stream:
+        pending = b""
+        for arrived, piece in pieces:
+            *complete, pending = (pending + piece).split(b"\n")
+            lines.extend((arrived, line) for line in complete)
+    else:
+        usage = json.loads(b"".join(piece for _, piece in pieces)).get("usage")
+        events.append(done)
     for arrived, raw in lines:
         line = raw.decode().rstrip("\r")
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -127,14 +125,14 @@ def _one_request(conn: http.client.HTTPConnection, model: str, prompt: str, max_
         return {"error": "no content or no usage in the response"}
     tokens = usage["completion_tokens"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    common = {"e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached,
+              "acceptance_rate": usage.get("acceptance_rate"),
+              "mean_accepted_length": usage.get("mean_accepted_length"),
+              "client_cpu_s": time.thread_time() - cpu}  # this request's reads and parsing, on the server's cores
     if not stream:  # one answer at the end: no first token or gaps to time
-        return {"ttft_s": None, "e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached, "tpot_s": None,
-                "itl_s": [], "acceptance_rate": usage.get("acceptance_rate"),
-                "mean_accepted_length": usage.get("mean_accepted_length")}
-    return {"ttft_s": events[0] - sent, "e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached,
-            "tpot_s": (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else None,
-            "itl_s": [b - a for a, b in zip(events, events[1:])],
-            "acceptance_rate": usage.get("acceptance_rate"), "mean_accepted_length": usage.get("mean_accepted_length")}
+        return {"ttft_s": None, "tpot_s": None, "itl_s": [], **common}
+    return {"ttft_s": events[0] - sent, "tpot_s": (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else None,
+            "itl_s": [b - a for a, b in zip(events, events[1:])], **common}
 
 
 def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
@@ -142,14 +140,13 @@ def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, m
     """Every prompt through a pool of `concurrency` clients; (one result per prompt, wall seconds).
 
     The clients share the machine's cores with the server, so they spend as little CPU as they can while it
-    works: one blocking keep-alive `http.client` connection per client thread, reading whatever has arrived
-    (0.12 ms of CPU per streamed token at one client, against 0.24 with aiohttp and 0.39 with httpx:
-    `scripts/bench_serve_loop.py`, stops 31 and 42), each event only timed on arrival, its JSON parsed after
-    the stream ends."""
+    works: one blocking keep-alive `http_client.Connection` per client thread, reading whatever has arrived,
+    each piece only timed on arrival, its JSON parsed after the stream ends (65-69 us of CPU per streamed token
+    at one client, against 105 with `http.client`, 240 with aiohttp and 390 with httpx: stops 31, 42, 50)."""
     parts = urlsplit(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    idle: queue.SimpleQueue[http.client.HTTPConnection] = queue.SimpleQueue()
-    conns = [http.client.HTTPConnection(parts.hostname, parts.port, timeout=3600) for _ in range(concurrency)]
+    idle: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+    conns = [Connection(parts.hostname, parts.port) for _ in range(concurrency)]
     for conn in conns:
         idle.put(conn)
 
@@ -157,8 +154,7 @@ def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, m
         conn = idle.get()
         try:
             return _one_request(conn, model, prompt, max_tokens, stream, headers)
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()  # reopened by the next request
+        except (OSError, ProtocolError) as exc:  # the connection is closed, reopened by the next request
             return {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             idle.put(conn)
@@ -167,7 +163,6 @@ def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, m
         # Each run starts from no cached prompts, as the direct reference does: repeats of a prompt would
         # otherwise time the prompt cache, not the prefill (a server without the endpoint just answers 404).
         conns[0].request("POST", "/reset_prefix_cache", headers=headers)
-        conns[0].getresponse().read()
         with ThreadPoolExecutor(concurrency) as pool:
             start = time.perf_counter()
             results = list(pool.map(run, prompts))
@@ -177,7 +172,7 @@ def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, m
             conn.close()
 
 
-_CONNECTIONS: dict[str, http.client.HTTPConnection] = {}  # the client process's keep-alive connection per URL
+_CONNECTIONS: dict[str, Connection] = {}  # the client process's keep-alive connection per URL
 
 
 def _timed_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None,
@@ -187,18 +182,12 @@ def _timed_request(url: str, model: str, prompt: str, max_tokens: int, api_key: 
     conn = _CONNECTIONS.get(url)
     if conn is None:
         parts = urlsplit(url)
-        conn = _CONNECTIONS[url] = http.client.HTTPConnection(parts.hostname, parts.port, timeout=3600)
+        conn = _CONNECTIONS[url] = Connection(parts.hostname, parts.port)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        conn.request("POST", "/reset_prefix_cache", headers=headers)
-        conn.getresponse().read()
-        start = time.perf_counter()
-        result = _one_request(conn, model, prompt, max_tokens, stream, headers)
-        wall = time.perf_counter() - start
-    except (OSError, http.client.HTTPException):
-        del _CONNECTIONS[url]
-        conn.close()
-        raise
+    conn.request("POST", "/reset_prefix_cache", headers=headers)  # a failure closes it; the next reopens it
+    start = time.perf_counter()
+    result = _one_request(conn, model, prompt, max_tokens, stream, headers)
+    wall = time.perf_counter() - start
     if "error" in result:
         raise SpecdraftError(f"a request to {url} failed: {result['error']}")
     return wall, result["tokens"]
@@ -227,6 +216,9 @@ def summarize(mode: str, concurrency: int, results: Sequence[dict[str, Any]], wa
         "duration_s": wall_s, "throughput_tok_s": tokens / wall_s if wall_s > 0 else None,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
         "prompt_tokens_cached": sum(r.get("cached_tokens", 0) for r in ok),
+        # The load generator's own CPU (its threads' time in the requests) per output token: the server's
+        # cores pay for it too, so a figure to read beside the server's.
+        "client_cpu_us_per_token": 1e6 * sum(r["client_cpu_s"] for r in ok) / tokens if tokens else None,
     }
     series = {"ttft": [r["ttft_s"] for r in ok], "tpot": [r["tpot_s"] for r in ok],
               "itl": [g for r in ok for g in r["itl_s"]], "e2e": [r["e2e_s"] for r in ok]}
@@ -296,13 +288,10 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _health_status(url: str) -> int | None:
     """The status of `GET /health` (None while nothing answers), with the clients' HTTP library."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=2)
+    conn = Connection(parts.hostname, parts.port, timeout=2)
     try:
-        conn.request("GET", "/health")
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    except (OSError, http.client.HTTPException):
+        return conn.request("GET", "/health")[0]
+    except (OSError, ProtocolError):
         return None
     finally:
         conn.close()
@@ -509,7 +498,8 @@ def _print_row(r: dict[str, Any]) -> None:
           f"TTFT p50/p99 {_fmt(r['ttft_ms_p50'], '.0f')}/{_fmt(r['ttft_ms_p99'], '.0f')} ms  "
           f"TPOT {_fmt(r['tpot_ms_p50'])}/{_fmt(r['tpot_ms_p99'])} ms  "
           f"ITL {_fmt(r['itl_ms_p50'])}/{_fmt(r['itl_ms_p99'])} ms  "
-          f"acc {_fmt(r['acceptance_rate'], '.2f')}  errors {r['errors']}", flush=True)
+          f"acc {_fmt(r['acceptance_rate'], '.2f')}  client CPU {_fmt(r.get('client_cpu_us_per_token'), '.0f')} "
+          f"us/token  errors {r['errors']}", flush=True)
 
 
 def _plot(rows: Sequence[dict[str, Any]], speculative: dict[str, dict[int, float | None]], path: Path) -> None:
