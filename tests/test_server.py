@@ -347,6 +347,12 @@ def test_api_key_is_required_when_set(target, tokenizer):
         assert httpx.post(url + "/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
         assert httpx.get(url + "/metrics").status_code == 200
+        # bench-serve's load generator sends the key (`--api-key`), and counts a refusal as an error
+        from specdraft.bench.serve_bench import _run_level
+
+        keyed, _ = _run_level(url, NAME, ["abc"], 1, 3, "s3cret")
+        refused, _ = _run_level(url, NAME, ["abc"], 1, 3, "nope")
+        assert keyed[0]["tokens"] == 3 and refused[0]["error"].startswith("HTTP 401")
     # and without a key, any or no Authorization header is fine (the shared server has none)
 
 
