@@ -13,8 +13,6 @@ from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.engine.adaptive import (
-    MAX_PAUSE,
-    PAUSE_AFTER,
     PLAIN_EVERY,
     AcceptanceCalibration,
     AdaptiveConfig,
@@ -492,72 +490,8 @@ def test_requests_a_batch_plan_leaves_out_keep_measuring_acceptance_by_shadow_dr
         engine.step([r for r in requests if not r.finished])
     assert [r.out.token_ids for r in requests] == expected
     assert sum(r.metrics.drafted for r in requests) == 0  # nothing was verified but the target's own
-    # (in the rounds that plan: after PAUSE_AFTER empty plans the batch pauses planning, shadows included)
-    assert len(shadows) >= 8 and any(shadows)
+    assert len(shadows) > 20 and any(shadows)
     assert all(r.controller.alpha != 0.7 for r in requests)  # moved from the prior by the shadows alone
-
-
-def test_batch_planner_pauses_after_plans_that_draft_nothing_and_plans_again_afterwards():
-    """After PAUSE_AFTER empty plans the planner pauses (rounds that plan nothing at all), for a pause that
-    doubles each time the plan after it is empty again, up to MAX_PAUSE; a plan that drafts ends the
-    doubling, and a batch shrunk to half the pause's size plans again at once."""
-    planner = BatchPlanner(window=4)
-    for rows in range(4, 40):
-        planner.costs.record(rows, 10.0 if rows > 4 else 0.010, plain=False)  # rows past the batch's: ruinous
-    ruinous = ([0.6] * 4, [3] * 4)
-    for _ in range(PAUSE_AFTER):
-        assert planner.planning(4) and planner.plan(*ruinous) == [0] * 4
-    pauses = []
-    for _ in range(5):
-        pause = 0
-        while not planner.planning(4):
-            pause += 1
-        pauses.append(pause)
-        assert planner.plan(*ruinous) == [0] * 4  # the plan after the pause: empty again
-    assert pauses == [PAUSE_AFTER, 2 * PAUSE_AFTER, 4 * PAUSE_AFTER, 8 * PAUSE_AFTER,
-                      min(16 * PAUSE_AFTER, MAX_PAUSE)]
-    assert not planner.planning(3)  # a request fewer does not end the pause ...
-    assert planner.planning(2)  # ... half the batch does, and starts afresh
-    assert planner.plan(*ruinous) == [0] * 4 and planner.planning(4)  # one empty plan is not yet a pause
-    assert planner.plan([0.6] * 4, [0] * 4) == [0] * 4 and planner.planning(4)  # nobody wanted to draft
-    for rows in range(5, 40):
-        planner.costs.seconds[rows] = 0.010  # rows turn free: drafts pay, and the doubling starts over
-    assert planner.plan(*ruinous) == [3] * 4
-    assert planner.empty_plans == 0 and planner.next_pause == PAUSE_AFTER
-
-
-@needs_kernels
-def test_a_batch_whose_plans_draft_nothing_pauses_drafting_and_decodes_the_same():
-    """Where no draft pays, the engine's batched rounds stop asking the drafter for anything (no budgets,
-    plans or shadow drafts) after PAUSE_AFTER empty plans, plan again after the pause, and every output is
-    the target's own."""
-    target = kernel_model("llama")
-    tokenizer = ToyTokenizer(KERNEL_VOCAB)
-    prompts = [[5, 6, 7, 8] * 6] * 4
-    params = [SamplingParams(temperature=0, max_tokens=60)] * 4
-    plain = Engine(target, tokenizer, None, 0, max_model_len=256)
-    expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
-    drafter = NgramDrafter()
-    engine = Engine(target, tokenizer, drafter, 4, AdaptiveConfig(), max_model_len=256, max_batch=4)
-    engine.draft_costs.cost_ratio = 0.01
-    for rows in range(4, 40):
-        engine.planner.costs.record(rows, 10.0 if rows > 4 else 0.001, plain=False)
-    engine.planner.costs.record = lambda *args, **kwargs: None  # pinned: drafts never pay
-    proposed_in = []
-    propose = drafter.propose
-    drafter.propose = lambda *args, **kwargs: (proposed_in.append(rounds[0]), propose(*args, **kwargs))[1]
-    requests = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
-    rounds = [0]
-    while not all(r.finished for r in requests):
-        engine.step([r for r in requests if not r.finished])
-        rounds[0] += 1
-    assert [r.out.token_ids for r in requests] == expected
-    assert sum(r.metrics.drafted for r in requests) == 0
-    # prefill, 2 calibration rounds, PAUSE_AFTER rounds of shadows, a pause of PAUSE_AFTER, one plan,
-    # a pause of 2 * PAUSE_AFTER, one plan, ...: the drafter is asked in few of the 60 rounds
-    assert proposed_in[:PAUSE_AFTER] == list(range(3, 3 + PAUSE_AFTER))
-    later = proposed_in[PAUSE_AFTER:]
-    assert later and later[0] == 3 + 2 * PAUSE_AFTER and len(proposed_in) <= PAUSE_AFTER + 3
 
 
 @needs_kernels

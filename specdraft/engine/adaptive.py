@@ -12,7 +12,7 @@ never pays on this model would otherwise keep paying for probes.
 In a batched round each request's controller says how deep it would draft, and one plan for the batch
 (`plan_batch_drafts`) cuts those depths to what pays for the whole batch, from what a forward over so many
 rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`); the
-engine keeps both in one `BatchPlanner`, which also pauses planning where plans keep drafting nothing.
+engine keeps both in one `BatchPlanner`.
 """
 
 from __future__ import annotations
@@ -133,12 +133,6 @@ class TreeShapeChooser(RateBandit):
 PACE_SMOOTHING = 0.25
 # At most this many batched rounds in a row draft: the next is plain, which keeps the pace current.
 PLAIN_EVERY = 16
-# Plans in a row that drafted nothing, after which batched rounds stop planning for a while (`BatchPlanner.
-# planning`): no draft budgets, plan or shadow drafts, which in a batch where no draft pays still cost every
-# round (16 rows with ngram: 0.2 of 0.47 ms of Python a round, against 16-18 ms for the round; stop 50). The
-# pause starts at this many rounds and doubles, up to MAX_PAUSE, each time the plan after it is empty again.
-PAUSE_AFTER = 8
-MAX_PAUSE = 128
 
 
 class ForwardCostTable:
@@ -285,8 +279,8 @@ def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: For
 class BatchPlanner:
     """The engine's memory for batched rounds: what a forward over so many rows costs (`costs`), how many
     tokens earlier plans' drafts got against what they expected (`calibration`), the drafter's seconds per
-    draft token asked for, when the next plain round is due, and pauses in planning. `planning` says whether a
-    round plans at all, `plan` sizes each request's draft for it; `learn` books what the round measured.
+    draft token asked for, and when the next plain round is due. `plan` sizes each request's draft for the
+    next round; `learn` books what the round measured.
 
     Two kinds of round are not timed: a lone request's (its block is another forward, with no batch to
     share the weights' reads) and the first after a prompt forward, whose caches that forward left cold.
@@ -299,42 +293,14 @@ class BatchPlanner:
         self.smoothing = 1.0 / window
         self.drafted_rounds = 0  # batched rounds in a row that drafted
         self.cold = False  # the next round follows a prompt forward
-        self.empty_plans = 0  # plans in a row that drafted nothing where some request wanted to
-        self.paused_rounds = 0  # batched rounds left that do not plan
-        self.pause_batch = 0  # the batch size the last pause began at (0: none since planning began afresh)
-        self.next_pause = PAUSE_AFTER  # the next pause's length
-
-    def planning(self, batch: int) -> bool:
-        """Whether a batched round of `batch` requests plans its drafts at all. After PAUSE_AFTER plans in a
-        row drafted nothing, the next rounds do not: they are plain, with no draft budgets, plan or shadow
-        drafts, until the pause is over and a plan measures again. A batch that has shrunk to half the size
-        the pause began at (where rows cost less and drafts may pay) plans again at once, afresh; a request or
-        two coming and going, as in a server, does not end the pause."""
-        if self.pause_batch and 2 * batch <= self.pause_batch:
-            self.paused_rounds = self.pause_batch = self.empty_plans = 0
-            self.next_pause = PAUSE_AFTER
-        if self.paused_rounds:
-            self.paused_rounds -= 1
-            return False
-        return True
 
     def plan(self, alphas: Sequence[float], depths: Sequence[int]) -> list[int]:
         """Each request's draft depth for a batched round (`plan_batch_drafts`): none after PLAIN_EVERY
         drafted rounds in a row, so that the plain round keeps the table's pace current."""
         if self.drafted_rounds >= PLAIN_EVERY:
             return [0] * len(depths)
-        planned = plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
-                                    calibration=self.calibration.factor)
-        if any(planned):
-            self.empty_plans, self.next_pause = 0, PAUSE_AFTER
-        elif any(depths):
-            self.empty_plans += 1
-            if self.empty_plans >= PAUSE_AFTER:
-                # Paused; the plan after the pause, if empty too, starts a pause twice as long.
-                self.paused_rounds, self.pause_batch = self.next_pause, len(depths)
-                self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
-                self.empty_plans = PAUSE_AFTER - 1
-        return planned
+        return plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
+                                 calibration=self.calibration.factor)
 
     def prompt_forward(self) -> None:
         """A prompt's forward ran: the round after it is not timed."""

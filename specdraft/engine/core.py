@@ -388,13 +388,9 @@ class Engine:
     def _decode_round(self, requests: Sequence[Request]) -> dict[int, StreamChunk]:
         drafter = self.drafter
         t0 = time.perf_counter()
-        batched = len(requests) > 1 and self.planner is not None
-        if batched and not self.planner.planning(len(requests)):
-            budgets = [(0, 0, None)] * len(requests)  # a pause in planning: a plain round
-        else:
-            budgets = [self._draft_budget(r) for r in requests]
+        budgets = [self._draft_budget(r) for r in requests]
         shadows: list[int] = []
-        if batched and any(depth for depth, _, _ in budgets):
+        if len(requests) > 1 and self.planner is not None and any(depth for depth, _, _ in budgets):
             budgets, shadows = self._plan_batch(requests, budgets)
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         asked = sum(budgets[b][0] for b in drafting)
