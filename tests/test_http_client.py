@@ -99,6 +99,10 @@ def test_connection_reads_each_framing_on_one_kept_connection():
         conn.sendall(CHUNKED[20:])
         seen.append(read_request(conn))
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        seen.append(read_request(conn))
+        conn.sendall(b"HTTP/1.1 204 No Content\r\n\r\n")  # no body, no length, connection kept
+        seen.append(read_request(conn))
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     with scripted_server(handle) as port:
         client = Connection("127.0.0.1", port, timeout=5)
@@ -108,6 +112,8 @@ def test_connection_reads_each_framing_on_one_kept_connection():
         assert status == 200 and b"".join(p for _, p in pieces) == PAYLOAD
         assert len(pieces) == 2 and pieces[1][0] - pieces[0][0] >= 0.04  # each piece timed when it arrived
         assert client.request("GET", "/empty") == (200, [])
+        assert client.request("DELETE", "/thing") == (204, [])
+        assert [p for _, p in client.request("GET", "/after")[1]] == [b"ok"]
         client.close()
     assert connections == [0]  # every request on the one kept connection
     assert seen[0].startswith(b"POST /v1/x HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in seen[0]

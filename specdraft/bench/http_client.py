@@ -3,11 +3,9 @@ the response body timed as it arrives.
 
 The clients share the machine's cores with the server they measure, so whatever CPU they spend per streamed
 token is counted as the server's cost. `http.client` (a buffered reader under a chunk decoder) spent 105 us of
-CPU per streamed token at one client, a client like this one 55 us, and the server's cost over the engine
-alone read +6.0% with the first and +3.6% with the second (the same server, 160 request pairs each; stop 50,
-`docs/bench/amd-zen4/stop50/`). It speaks only what a benchmark of a local OpenAI server needs: responses framed
-by Content-Length, chunked, or by the server closing the connection; no TLS, proxies, redirects or
-100-continue.
+CPU per streamed token at one client, this client 65-69 us (stop 50, `docs/bench/amd-zen4/stop50/`). It
+speaks only what a benchmark of a local OpenAI server needs: responses framed by Content-Length, chunked, or
+by the server closing the connection; no TLS, proxies, redirects or 100-continue.
 """
 
 from __future__ import annotations
@@ -114,12 +112,13 @@ class Connection:
             self.close()
             raise
 
-    def _recv(self) -> bytes:
+    def _recv(self, end_ok: bool = False) -> bytes:
+        """The next bytes from the server (b"" at the connection's end only where `end_ok`)."""
         try:
             data = self.sock.recv(READ_SIZE)
         except BlockingIOError:  # SO_RCVTIMEO ran out
             raise TimeoutError(f"no answer from {self.host}:{self.port} within {self.timeout} s") from None
-        if not data:
+        if not data and not end_ok:
             raise ConnectionError("the server closed the connection before its response ended")
         self._answered = True
         return data
@@ -141,8 +140,10 @@ class Connection:
             if not colon:
                 raise ProtocolError(f"bad header line {line[:80]!r}")
             fields[name.strip().lower()] = value.strip()
-        body = buf[head_end + 4:]
-        if "chunked" in fields.get("transfer-encoding", "").lower():
+        body, status = buf[head_end + 4:], int(rest[:3])
+        if status < 200 or status in (204, 304):  # answers that have no body, whatever their head says
+            pieces = []
+        elif "chunked" in fields.get("transfer-encoding", "").lower():
             pieces = self._chunked(body, arrived)
         elif "content-length" in fields:
             try:
@@ -154,7 +155,7 @@ class Connection:
             pieces = self._until_closed(body, arrived)
         if fields.get("connection", "").lower() == "close":
             self.close()
-        return int(rest[:3]), pieces
+        return status, pieces
 
     def _chunked(self, data: bytes, arrived: float) -> Pieces:
         decoder, pieces = ChunkedDecoder(), []
@@ -179,7 +180,7 @@ class Connection:
 
     def _until_closed(self, data: bytes, arrived: float) -> Pieces:
         pieces = [(arrived, data)] if data else []
-        while data := self.sock.recv(READ_SIZE):
+        while data := self._recv(end_ok=True):
             pieces.append((time.perf_counter(), data))
         self.close()
         return pieces
