@@ -197,3 +197,44 @@ def test_connection_does_not_send_again_once_an_answer_began():
             client.request("POST", "/")
         time.sleep(0.2)
     assert connections == [0]
+
+
+def sse(*events: bytes) -> bytes:
+    """A 200 chunked SSE answer whose one chunk carries `events`."""
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+
+GOOD_SSE = sse(b'{"choices": [{"delta": {"content": "hi"}}]}',
+               b'{"choices": [], "usage": {"completion_tokens": 1}}', b"[DONE]")
+MALFORMED_SSE = [
+    sse(b'{"choices": [{"delta": {"content": "hi"}}'),  # JSON cut short
+    sse(b'{"choices": [{"delta": {"content": "\xff"}}]}'),  # not UTF-8
+    sse(b'["a list, not an event"]'),
+    sse(b'{"choices": [{"delta": "not an object"}]}'),
+    sse(b'{"choices": [{"delta": {"content": "hi"}}]}', b'{"usage": {"tokens": 1}}'),  # no completion_tokens
+    sse(b'{"choices": [{"delta": {"content": "hi"}}]}', b'{"usage": ["not an object"]}'),
+    sse(b'{"choices": [{"delta": {"content": "hi"}}]}'),  # no usage at all
+    sse(b'{"error": {"message": "the engine failed"}}'),
+]
+
+
+def test_bench_serve_counts_a_malformed_answer_as_that_requests_error():
+    """A 200 stream with a malformed event is one request's error row; the level goes on to the next."""
+    answers = [GOOD_SSE, *MALFORMED_SSE, GOOD_SSE]
+
+    def handle(conn: socket.socket, index: int) -> None:
+        read_request(conn)  # the level's /reset_prefix_cache
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        for answer in answers:
+            read_request(conn)
+            conn.sendall(answer)
+
+    from specdraft.bench.serve_bench import _run_level
+
+    with scripted_server(handle) as port:
+        results, _ = _run_level(f"http://127.0.0.1:{port}", "m", ["p"] * len(answers), 1, 4, None)
+    assert [r.get("tokens") for r in (results[0], results[-1])] == [1, 1]
+    errors = [r.get("error", "") for r in results[1:-1]]
+    assert all(e.startswith("malformed response: ") for e in errors[:-1]), errors
+    assert errors[-1] == "the engine failed"

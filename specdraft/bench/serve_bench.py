@@ -94,45 +94,61 @@ def _one_request(conn: Connection, model: str, prompt: str, max_tokens: int, str
     if stream:
         body["stream_options"] = {"include_usage": True}
     sent, cpu = time.perf_counter(), time.thread_time()
-    events: list[float] = []
-    usage: dict[str, Any] | None = None
     # Every piece is only timed as it arrives (the client shares the server's cores); parsed once it is over.
     status, pieces = conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
                                   {"Content-Type": "application/json", **(headers or {})})
     done = time.perf_counter()
     if status != 200:
         return {"error": f"HTTP {status}: {b''.join(piece for _, piece in pieces)[:200]!r}"}
-    lines: list[tuple[float, bytes]] = []  # each with the time its last piece arrived
+    try:
+        row = _answer_row(pieces, stream, sent, done)
+    except ErrorEvent as exc:
+        return {"error": str(exc)}
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:  # not JSON or UTF-8, or not OpenAI's shapes
+        return {"error": f"malformed response: {type(exc).__name__}: {exc}"[:300]}
+    row["client_cpu_s"] = time.thread_time() - cpu  # this request's reads and parsing, on the server's cores
+    return row
+
+
+class ErrorEvent(Exception):
+    """A stream that began with 200 and then carried an error event (its message)."""
+
+
+def _answer_row(pieces: list[tuple[float, bytes]], stream: bool, sent: float, done: float) -> dict[str, Any]:
+    """A 200 answer's row from its body pieces (each with its arrival time): latencies, tokens, acceptance.
+    Raises ErrorEvent for an error event in the stream, ValueError (bad JSON or UTF-8, no content or usage),
+    KeyError, TypeError or AttributeError (JSON of other shapes than OpenAI's) for a malformed answer."""
+    events: list[float] = []  # when each event with content arrived
+    usage: dict[str, Any] | None = None
     if stream:
+        lines: list[tuple[float, bytes]] = []  # each with the time its last piece arrived
         pending = b""
         for arrived, piece in pieces:
             *complete, pending = (pending + piece).split(b"\n")
             lines.extend((arrived, line) for line in complete)
+        for arrived, raw in lines:
+            line = raw.decode().rstrip("\r")
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise ErrorEvent(event["error"].get("message", "error event"))
+            usage = event.get("usage") or usage
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                events.append(arrived)
     else:
         usage = json.loads(b"".join(piece for _, piece in pieces)).get("usage")
         events.append(done)
-    for arrived, raw in lines:
-        line = raw.decode().rstrip("\r")
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:
-            return {"error": event["error"].get("message", "error event")}
-        usage = event.get("usage") or usage
-        if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-            events.append(arrived)
     if not events or usage is None:
-        return {"error": "no content or no usage in the response"}
+        raise ValueError("no content or no usage in the response")
     tokens = usage["completion_tokens"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    common = {"e2e_s": done - sent, "tokens": tokens, "cached_tokens": cached,
-              "acceptance_rate": usage.get("acceptance_rate"),
-              "mean_accepted_length": usage.get("mean_accepted_length"),
-              "client_cpu_s": time.thread_time() - cpu}  # this request's reads and parsing, on the server's cores
+    row = {"e2e_s": done - sent, "tokens": tokens,
+           "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+           "acceptance_rate": usage.get("acceptance_rate"), "mean_accepted_length": usage.get("mean_accepted_length")}
     if not stream:  # one answer at the end: no first token or gaps to time
-        return {"ttft_s": None, "tpot_s": None, "itl_s": [], **common}
+        return {"ttft_s": None, "tpot_s": None, "itl_s": [], **row}
     return {"ttft_s": events[0] - sent, "tpot_s": (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else None,
-            "itl_s": [b - a for a, b in zip(events, events[1:])], **common}
+            "itl_s": [b - a for a, b in zip(events, events[1:])], **row}
 
 
 def _run_level(url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
