@@ -8,6 +8,7 @@ nothing is written into the real cache.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from specdraft.errors import ModelLoadError, SpecdraftError
 from specdraft.runtime import StreamDecoder, load_model, load_tokenizer, loader, resolve
 from specdraft.runtime.config import SUPPORTED_MODEL_TYPES
+from specdraft.runtime.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -229,3 +231,32 @@ def test_stream_decoder_multibyte(which, smollm2_tokenizer, gemma_tokenizer):
         assert not any("\ufffd" in d for d in deltas), deltas
     if which == "smollm2":  # byte-level BPE: some characters really are spread over several tokens
         assert split_characters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma"])
+def test_decode_gives_transformers_text_exactly(which, smollm2_tokenizer, gemma_tokenizer):
+    """`Tokenizer.decode` calls the Rust tokenizer itself where transformers would return its text unchanged:
+    the same text for random ids, special tokens (skipped) among them, and whole texts."""
+    tok = smollm2_tokenizer if which == "smollm2" else gemma_tokenizer
+    assert tok._fast_decode is not None  # both bundled tokenizers take the fast path
+    special = sorted(tok.hf.all_special_ids)
+    assert special
+    rng = random.Random(0)
+    runs = [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    runs += [[*run[:3], rng.choice(special), *run[3:]] for run in runs[:100]]
+    runs += [tok.encode(text) for text in STREAM_TEXTS]
+    for ids in runs:
+        assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True), ids
+
+
+def test_decode_leaves_a_tokenizer_that_cleans_up_spaces_to_transformers():
+    class CleaningHF:
+        eos_token_id = None
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = object()  # never called
+
+        def decode(self, ids, skip_special_tokens=False):
+            return f"cleaned {ids} {skip_special_tokens}"
+
+    assert Tokenizer(CleaningHF()).decode([1, 2]) == "cleaned [1, 2] True"

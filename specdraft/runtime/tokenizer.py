@@ -15,6 +15,7 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self._fast_decode = _backend_decoder(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -47,6 +48,8 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(list(ids), skip_special_tokens=True)
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
@@ -83,6 +86,17 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens (BOS included where the model uses one).
         return self.encode(text, add_special_tokens=False)
+
+
+def _backend_decoder(hf_tokenizer):
+    """The Rust tokenizer's own `decode` where transformers' would return its result unchanged (a fast
+    tokenizer that cleans up no spaces), else None. Streaming decodes a few tokens twice per token, and
+    transformers' checks and conversions around the call cost twice the call itself (SmolLM2: 4.9 against
+    1.6 us for 4 tokens)."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
 
 
 def check_text(text: str, what: str, allow_blank: bool = False) -> None:
