@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from specdraft.errors import ModelLoadError, SpecdraftError
 
@@ -88,7 +89,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _backend_decoder(hf_tokenizer):
+def _backend_decoder(hf_tokenizer: Any) -> Callable[..., str] | None:
     """The Rust tokenizer's own `decode` where transformers' would return its result unchanged (a fast
     tokenizer that cleans up no spaces), else None. Streaming decodes a few tokens twice per token, and
     transformers' checks and conversions around the call cost twice the call itself (SmolLM2: 4.9 against
