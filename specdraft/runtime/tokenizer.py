@@ -1,4 +1,5 @@
-"""The checkpoint's own tokenizer and chat template (through transformers), plus streaming detokenization."""
+"""The checkpoint's own tokenizer and chat template (through transformers, whose Rust tokenizer decodes directly
+where that gives the same text), plus streaming detokenization."""
 
 from __future__ import annotations
 
