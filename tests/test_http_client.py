@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 from specdraft.bench.http_client import ChunkedDecoder, Connection, ProtocolError
+from specdraft.bench.serve_bench import _run_level
 
 CHUNKED = (b"5;ext=1\r\nhello\r\n"
            b"1a\r\n data: {\"x\": \"\\r\\n0\\r\\n\"}\n\r\n"
@@ -229,8 +230,6 @@ def test_bench_serve_counts_a_malformed_answer_as_that_requests_error():
         for answer in answers:
             read_request(conn)
             conn.sendall(answer)
-
-    from specdraft.bench.serve_bench import _run_level
 
     with scripted_server(handle) as port:
         results, _ = _run_level(f"http://127.0.0.1:{port}", "m", ["p"] * len(answers), 1, 4, None)

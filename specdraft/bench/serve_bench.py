@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specdraft.bench.http_client import Connection, ProtocolError
+from specdraft.bench.http_client import Connection, Pieces, ProtocolError
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 from specdraft.errors import SpecdraftError
 
@@ -114,7 +114,7 @@ class ErrorEvent(Exception):
     """A stream that began with 200 and then carried an error event (its message)."""
 
 
-def _answer_row(pieces: list[tuple[float, bytes]], stream: bool, sent: float, done: float) -> dict[str, Any]:
+def _answer_row(pieces: Pieces, stream: bool, sent: float, done: float) -> dict[str, Any]:
     """A 200 answer's row from its body pieces (each with its arrival time): latencies, tokens, acceptance.
     Raises ErrorEvent for an error event in the stream, ValueError (bad JSON or UTF-8, no content or usage),
     KeyError, TypeError or AttributeError (JSON of other shapes than OpenAI's) for a malformed answer."""

@@ -50,9 +50,7 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self._fast_decode is not None:
-            return self._fast_decode(list(ids), skip_special_tokens=True)
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        return (self._fast_decode or self.hf.decode)(list(ids), skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
