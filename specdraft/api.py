@@ -20,7 +20,17 @@ from specdraft.engine.metrics import SpecMetrics
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.hf_backend import load_hf_target
 from specdraft.runtime.loader import load_model, load_tokenizer
+from specdraft.verify.logprobs import TokenLogprobs
 from specdraft.verify.sampling import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the target, its rank (1: the most likely) and its text (vLLM's shape)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 @dataclass
@@ -29,6 +39,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    # Where `SamplingParams.logprobs` asked: per generated token, {token id: Logprob} for the token chosen
+    # (first) and the `logprobs` most likely ones, as vLLM returns them.
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -130,8 +143,21 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
         params = self._params_list(sampling_params, len(encoded))
         results = self.engine.generate_many(encoded, params)
-        return [RequestOutput(prompt, ids, [CompletionOutput(0, r.text, r.token_ids, r.finish_reason)], r.metrics, r)
+        return [RequestOutput(prompt, ids, [CompletionOutput(0, r.text, r.token_ids, r.finish_reason,
+                                                             self._logprob_dicts(r.logprobs))], r.metrics, r)
                 for prompt, ids, r in zip(prompts, encoded, results)]
+
+    def _logprob_dicts(self, logprobs: list[TokenLogprobs] | None) -> list[dict[int, Logprob]] | None:
+        if logprobs is None:
+            return None
+        out = []
+        for position in logprobs:
+            entries = {position.token_id: Logprob(position.logprob, position.rank,
+                                                  self.tokenizer.token_piece(position.token_id))}
+            for rank, (token, logprob) in enumerate(position.top, start=1):
+                entries.setdefault(token, Logprob(logprob, rank, self.tokenizer.token_piece(token)))
+            out.append(entries)
+        return out
 
     @staticmethod
     def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

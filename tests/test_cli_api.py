@@ -89,7 +89,8 @@ def test_config_rejects_unknown_keys(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(min_p=2.0),
-                                    dict(max_tokens=0), dict(seed="x"), dict(stop=[""])])
+                                    dict(max_tokens=0), dict(seed="x"), dict(stop=[""]), dict(logprobs=-1),
+                                    dict(logprobs=21)])
 def test_nonsense_sampling_parameters(kwargs):
     with pytest.raises(InvalidParameterError):
         SamplingParams(**kwargs)
@@ -109,6 +110,14 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     assert out.metrics.target_forwards > 0 and llm.metrics.generated_tokens == len(out.outputs[0].token_ids)
     streamed = "".join(chunk.text for chunk in llm.stream(messages[0]["content"], params, chat=True))
     assert streamed == out.text
+    # Logprobs in vLLM's shape: per token {token id: Logprob}, the token chosen first, then the most likely.
+    assert out.outputs[0].logprobs is None
+    scored = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, logprobs=2))[0].outputs[0]
+    assert scored.token_ids == out.outputs[0].token_ids and len(scored.logprobs) == len(scored.token_ids)
+    for token, entries in zip(scored.token_ids, scored.logprobs, strict=True):
+        assert next(iter(entries)) == token and entries[token].rank == 1 and len(entries) == 2  # greedy: the top
+        assert entries[token].decoded_token == llm.tokenizer.token_piece(token)
+        assert all(e.logprob <= 0 for e in entries.values())
     with pytest.raises(SpecdraftError, match="empty prompt"):
         llm.generate("", params)
     with pytest.raises(SpecdraftError, match="not valid UTF-8"):

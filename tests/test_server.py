@@ -211,6 +211,51 @@ def test_stop_strings_and_seeded_sampling(server):
     assert oa.completions.create(**args).choices[0].text == oa.completions.create(**args).choices[0].text
 
 
+def test_logprobs_through_the_openai_client_are_the_engine_alones_streamed_or_not(server, target, tokenizer):
+    """Chat's `logprobs` / `top_logprobs` and the completions API's `logprobs`: each token's entry is what plain
+    decoding alone reports (the server drafts with ngram), the same streamed as not, in OpenAI's shapes."""
+    url, _ = server
+    oa = client(url)
+    plain = make_engine(target, tokenizer, max_batch=1, drafter=False)
+    expected = plain.generate(tokenizer.encode("abcabcabc|"), SamplingParams(temperature=0, max_tokens=16, logprobs=3))
+    exact = cpu_kernels.available()
+
+    def check(entries: list, want: list) -> None:
+        assert [e.token for e in entries] == [tokenizer.token_piece(w.token_id) for w in want]
+        assert [e.bytes for e in entries] == [list(e.token.encode()) for e in entries]
+        assert [e.logprob for e in entries] == pytest.approx([w.logprob for w in want], abs=0 if exact else 1e-3)
+        for entry, w in zip(entries, want, strict=True):
+            assert [t.token for t in entry.top_logprobs] == [tokenizer.token_piece(t) for t, _ in w.top]
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+
+    args = dict(model=NAME, messages=[{"role": "user", "content": "abcabcabc"}], max_tokens=16, temperature=0,
+                logprobs=True, top_logprobs=3)
+    chat = oa.chat.completions.create(**args)
+    assert_greedy(chat.choices[0].message.content, expected.text)
+    if exact:
+        check(chat.choices[0].logprobs.content, expected.logprobs)
+    streamed = [e for c in oa.chat.completions.create(**args, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert streamed == chat.choices[0].logprobs.content
+    assert len(streamed) == chat.usage.completion_tokens == 16
+    bare = oa.chat.completions.create(**{**args, "top_logprobs": None})
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * 16
+    assert oa.chat.completions.create(**{**args, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+
+    done = oa.completions.create(model=NAME, prompt="hello", max_tokens=12, temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.tokens) == 12  # one character a token here
+    assert lp.text_offset == list(range(12))
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value and len(top) in (2, 3) and max(top.values()) >= value
+    parts = [c.choices[0].logprobs for c in oa.completions.create(model=NAME, prompt="hello", max_tokens=12,
+                                                                   temperature=0, logprobs=2, stream=True)
+             if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+
+
 @needs_kernels
 def test_greedy_outputs_under_8_way_concurrency_equal_the_engine_alone(server, target, tokenizer):
     """Eight clients at once share the batched rounds; each gets exactly what the engine gives it alone."""
@@ -275,7 +320,9 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (CHAT, chat(top_p=1.5), "top_p"), (CHAT, chat(top_k=-2), "top_k"), (CHAT, chat(min_p=2), "min_p"),
         (CHAT, chat(max_tokens=0), "max_tokens"), (CHAT, chat(max_tokens=-5), "max_tokens"),
         (CHAT, chat(seed=-1), "seed"), (CHAT, chat(seed=2**70), "seed"), (CHAT, chat(n=2), "n=2"),
-        (CHAT, chat(presence_penalty=1.0), "presence_penalty"), (CHAT, chat(logprobs=True), "logprobs"),
+        (CHAT, chat(presence_penalty=1.0), "presence_penalty"), (CHAT, chat(top_logprobs=2), "logprobs=true"),
+        (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"), (CHAT, chat(logprobs=1), "logprobs"),
+        (COMPLETIONS, comp(logprobs=-1), "logprobs"), (COMPLETIONS, comp(logprobs=True), "logprobs"),
         (CHAT, chat(max_tokens=10**9), "context"), (CHAT, chat(max_tokens=10**30), "context"),
         (CHAT, chat(max_completion_tokens=10**6), "context"), (CHAT, chat(foo=1), "unknown field"),
         (CHAT, chat(stream=True, stream_options={"bogus": True}), "unknown field"),
@@ -488,10 +535,13 @@ def test_a_stream_interval_groups_a_streams_tokens_and_keeps_its_text(target, to
         finally:
             worker.stop()
 
-    for params in (SamplingParams(temperature=0, max_tokens=23), SamplingParams(temperature=0.8, seed=3,
-                                                                                 max_tokens=23)):
+    for params in (SamplingParams(temperature=0, max_tokens=23, logprobs=2),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=23)):
         every, grouped = chunks(1, params), chunks(3, params)
         assert "".join(e.text for e in grouped) == "".join(e.text for e in every) == grouped[-1].result.text
+        for events in (every, grouped):  # logprobs go with their tokens, held back with them
+            assert [p for e in events for p in e.logprobs or ()] == (events[-1].result.logprobs or [])
+            assert all(e.logprobs is None or len(e.logprobs) == len(e.token_ids) for e in events)
         assert sum(len(e.token_ids) for e in grouped) == 23 == sum(len(e.token_ids) for e in every)
         assert len(grouped[0].token_ids) == len(every[0].token_ids)  # the first text is not held back
         assert all(len(e.token_ids) >= 3 for e in grouped[1:-1]) and grouped[-1].result is not None
@@ -523,7 +573,7 @@ def test_a_streamed_text_event_is_the_chunk_serialized_in_full():
     # a round's text (never empty)
     texts = [" hello", 'a "quoted" \\ back', "two\nlines\r", "caf\u00e9 \u2028 \U0001f600", "\0", "}]{"]
     for chat in (True, False):
-        reply = Reply(NAME, chat, 7)
+        reply = Reply(NAME, chat, 7, str)
         for with_usage in (True, False):
             for text in texts:
                 event = reply.text_event(text, with_usage)

@@ -56,6 +56,7 @@ from specdraft.runtime.model import Transformer
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
 from specdraft.verify.greedy import argmax, common_prefix, for_reduction, topk_indices
+from specdraft.verify.logprobs import TokenLogprobs, position_logprobs
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -80,6 +81,7 @@ class GenerationResult:
     metrics: SpecMetrics
     origins: list[str] = field(default_factory=list)
     adaptation_log: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the params asked for them
 
 
 @dataclass
@@ -91,6 +93,7 @@ class StreamChunk:
     token_ids: list[int]
     origins: list[str]
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the params asked for them
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Request:
     drafting: bool = False  # registered with the drafter
     holds_slot: bool = True  # until released (the slot may then serve another request)
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per emitted token, where the params ask for them
 
     @property
     def finished(self) -> bool:
@@ -203,7 +207,7 @@ class Engine:
             controller=DraftLengthController(self.num_speculative_tokens, self.adaptive, self.draft_costs),
             shapes=self.shapes.fork() if self.shapes is not None else None,
             metrics=SpecMetrics(prompt_tokens=len(prompt_ids)), slot=self._take_slot(prompt_ids),
-            started_at=time.perf_counter())
+            started_at=time.perf_counter(), logprobs=None if params.logprobs is None else [])
         self._next_id += 1
         self.cache.reset(request.slot)
         return request
@@ -351,6 +355,10 @@ class Engine:
             r.context = r.prompt_ids + [first]
             r.out.add(first)
             r.origins.append(TARGET)
+            logprobs = None
+            if r.logprobs is not None:
+                logprobs = position_logprobs(logits[b, -1:], [first], r.params.logprobs)
+                r.logprobs.extend(logprobs)
             if self.drafter is not None and not r.finished:
                 t = time.perf_counter()
                 prompt_hidden = self._hidden(hidden_layers, capture, captured, final, b)
@@ -358,7 +366,7 @@ class Engine:
                                                       r.slot, prompt_hidden))
                 r.drafting = True
                 r.metrics.draft_time += time.perf_counter() - t
-            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET])
+            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET], logprobs=logprobs)
         if self.planner is not None:
             self.planner.prompt_forward()
         return chunks
@@ -442,8 +450,12 @@ class Engine:
                 self.cache.commit(r.slot, start + 1 + len(path))
             else:  # a path through a tree: move its keys and values up behind the pending token
                 self.cache.compact(r.slot, [0] + [1 + i for i in path])
+            logprobs = None
+            if r.logprobs is not None:  # token i was chosen from the row of the node before it on the path
+                chosen_from = [0, *(1 + node for node in path)][:len(emitted[b])]
+                logprobs = position_logprobs(logits[b, chosen_from], emitted[b], r.params.logprobs)
             chunks[r.id] = self._accept(r, proposal, len(path), emitted[b], draft_time if budgets[b][0] else 0.0,
-                                        verify_time, budgets[b][2])
+                                        verify_time, budgets[b][2], logprobs)
             if r.drafting and not r.finished:
                 scored = rows[b][:1 + len(proposal)]
                 hidden = self._hidden(hidden_layers, capture, captured, final, b, len(scored))
@@ -508,8 +520,10 @@ class Engine:
         return min(depth, nodes), nodes, shape
 
     def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
-                verify_time: float, shape: int | None = None) -> StreamChunk:
-        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop."""
+                verify_time: float, shape: int | None = None,
+                logprobs: list[TokenLogprobs] | None = None) -> StreamChunk:
+        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop (with
+        their `logprobs`, where asked for: one per new token)."""
         nodes = len(proposal) if len(proposal) and not proposal.is_chain else None
         drafted = max(proposal.depths, default=0)
         r.metrics.record_round(drafted, num_accepted, nodes)
@@ -532,7 +546,10 @@ class Engine:
             if r.out.finished:
                 break
         r.context.extend(new_tokens)
-        return StreamChunk(r.id, r.out.take_delta(), emitted, round_origins[:len(emitted)])
+        if logprobs is not None:
+            logprobs = logprobs[:len(emitted)]
+            r.logprobs.extend(logprobs)
+        return StreamChunk(r.id, r.out.take_delta(), emitted, round_origins[:len(emitted)], logprobs=logprobs)
 
     def _finish(self, r: Request) -> GenerationResult:
         m = r.metrics
@@ -542,7 +559,7 @@ class Engine:
         m.total_time = time.perf_counter() - r.started_at
         self.totals = self.totals.merge(m)
         r.result = GenerationResult(r.prompt_ids, r.out.token_ids, r.out.text, r.out.finish_reason, m, r.origins,
-                                    r.controller.log)
+                                    r.controller.log, r.logprobs)
         self.release(r)
         return r.result
 

@@ -55,6 +55,11 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
 
+    def token_piece(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included: what logprobs show of it (a token that ends
+        inside a character of several bytes shows U+FFFD there, as vLLM's do)."""
+        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool = False) -> list[int]:
         """The one way a prompt becomes token ids: a list of token ids as given; a list of chat messages
         through the chat template; a string encoded as is, or as one user message when `chat`."""

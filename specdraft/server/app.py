@@ -42,6 +42,7 @@ from specdraft.server.protocol import (
     sampling_params,
 )
 from specdraft.server.worker import EngineWorker, Event, Ticket
+from specdraft.verify.logprobs import TokenLogprobs
 
 log = logging.getLogger("specdraft.server")
 RESET_TIMEOUT_S = 60.0  # a round takes milliseconds; a stuck engine thread must not hang the request
@@ -302,7 +303,8 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
             raise first.error
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse(ticket, Reply(state.model_name, chat, first.prompt_tokens), include_usage)
+            stream = _sse(ticket, Reply(state.model_name, chat, first.prompt_tokens, worker.tokenizer.token_piece),
+                          include_usage)
             return CancellingStream(stream, on_close=lambda: worker.cancel(ticket))
         result = await _collect(ticket, watch)
     except ClientGone:
@@ -311,7 +313,7 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
     except BaseException:
         worker.cancel(ticket)
         raise
-    return JSONResponse(Reply(state.model_name, chat, first.prompt_tokens).full(result))
+    return JSONResponse(Reply(state.model_name, chat, first.prompt_tokens, worker.tokenizer.token_piece).full(result))
 
 
 class DisconnectWatch:
@@ -375,16 +377,19 @@ class CancellingStream(StreamingResponse):
 
 @dataclass
 class Reply:
-    """Builds OpenAI's response objects for one request (chat or text completion)."""
+    """Builds OpenAI's response objects for one request (chat or text completion); `piece` gives a token's
+    text on its own (its logprobs' `token`)."""
 
     model: str
     chat: bool
     prompt_tokens: int
+    piece: Callable[[int], str]
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._text_events: dict[bool, tuple[str, str]] = {}
+        self._text_offset = 0  # characters of completion text before the next token's (completions' logprobs)
 
     def usage(self, result: GenerationResult) -> dict[str, Any]:
         """OpenAI's token counts (the prompt's cached tokens: those whose cache entries were copied from an
@@ -398,24 +403,52 @@ class Reply:
                 "acceptance_rate": acceptance_rate(m.accepted, m.drafted),
                 "mean_accepted_length": mean_accepted_length(m.produced_tokens, m.target_forwards)}
 
+    def logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        """A choice's `logprobs` for these tokens (the next ones of the request): chat's `content` list, or
+        the completions API's parallel lists with each token's character offset in the completion."""
+        if logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._token(p.token_id, p.logprob),
+                                 "top_logprobs": [self._token(token, value) for token, value in p.top]}
+                                for p in logprobs], "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for p in logprobs:
+            tokens.append(self.piece(p.token_id))
+            offsets.append(self._text_offset)
+            self._text_offset += len(tokens[-1])
+            top = {tokens[-1]: _finite(p.logprob)}  # the token chosen, and the most likely ones (vLLM's way)
+            for token, value in p.top:
+                top.setdefault(self.piece(token), _finite(value))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_finite(p.logprob) for p in logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        piece = self.piece(token_id)
+        return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode("utf-8"))}
+
     def full(self, result: GenerationResult) -> dict[str, Any]:
+        logprobs = self.logprobs(result.logprobs)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": result.finish_reason}
+                      "logprobs": logprobs, "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(result)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              usage: dict[str, Any] | None = None, with_usage: bool = False) -> dict[str, Any]:
+              usage: dict[str, Any] | None = None, with_usage: bool = False,
+              logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        lp = self.logprobs(logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
         else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [] if usage is not None else choices}
         if with_usage:
@@ -434,6 +467,11 @@ class Reply:
 
 
 _TEXT_MARKER = "\0specdraft-text\0"  # stands for a chunk's text in `Reply.text_event` (escaped as \u0000 in JSON)
+LOWEST_LOGPROB = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity; vLLM's value)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def _sse_line(data: dict[str, Any] | str) -> str:
@@ -452,7 +490,9 @@ async def _sse(ticket: Ticket, reply: Reply, include_usage: bool) -> AsyncIterat
         if event.kind == "error":
             yield _sse_line(event.error.body())
             break
-        if event.text:
+        if event.logprobs:  # a round's tokens with their logprobs (its text may lag behind, for stop strings)
+            yield _sse_line(reply.chunk(event.text, logprobs=event.logprobs, with_usage=include_usage))
+        elif event.text:
             yield reply.text_event(event.text, include_usage)
         if event.result is not None:
             yield _sse_line(reply.chunk(None, event.result.finish_reason, with_usage=include_usage))

@@ -3,7 +3,7 @@
 Schemas are strict (`"0.5"` is not a number, `true` is not an integer) and closed (an unknown field is an
 error): a misspelt `max_token` that silently fell back to a default would be a worse bug than a 400. Fields
 of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`,
-`presence_penalty=0`, no logprobs) and refused otherwise, with a message saying so.
+`presence_penalty=0`, no `echo`) and refused otherwise, with a message saying so.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdraft.errors import InvalidParameterError
+from specdraft.verify.logprobs import MAX_LOGPROBS
 from specdraft.verify.sampling import SamplingParams
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -95,18 +96,22 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             out.append(("max_completion_tokens", "give max_tokens or max_completion_tokens, not both"))
         return out
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per generated token (`SamplingParams.logprobs`; None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -115,21 +120,22 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.echo:
             out.append(("echo", "echo is not supported"))
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         return out
 
     def token_budget(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -211,7 +217,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_
             top_k=0 if request.top_k is None else request.top_k,
             min_p=0.0 if request.min_p is None else request.min_p,
             seed=request.seed, max_tokens=budget if budget is not None else (default_max_tokens or 1),
-            stop=request.stop or (), ignore_eos=request.ignore_eos)
+            stop=request.stop or (), ignore_eos=request.ignore_eos, logprobs=request.logprob_count())
     except InvalidParameterError as exc:
         message = str(exc)
         param = next((f for f in SAMPLING_FIELDS if message.startswith(f) or message.startswith(f + " ")), None)

@@ -27,6 +27,7 @@ from specdraft.engine.core import Engine, GenerationResult, Request
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.server.metrics import ServerMetrics, SpecSnapshot
 from specdraft.server.protocol import APIError, bad_request
+from specdraft.verify.logprobs import TokenLogprobs
 from specdraft.verify.sampling import SamplingParams
 
 log = logging.getLogger("specdraft.server")
@@ -48,6 +49,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     result: GenerationResult | None = None
     error: APIError | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked for them
 
     @property
     def final(self) -> bool:
@@ -76,8 +78,9 @@ class Ticket:
     spec_seen: SpecSnapshot = field(default_factory=SpecSnapshot)
     done: bool = False
     streamed: bool = False  # its first text went out (sent at once, whatever the stream interval)
-    held_text: str = ""  # text and tokens held back until the stream interval's count is reached
+    held_text: str = ""  # text, tokens and their logprobs held back until the stream interval's count is reached
     held_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class EngineWorker:
@@ -229,13 +232,13 @@ class EngineWorker:
                 self.metrics.finished(chunk.result.finish_reason)
                 self.metrics.prompt_cache(chunk.result.metrics)
                 self.metrics.e2e.observe(now - ticket.arrived)
-            event = self._chunk_event(ticket, chunk.text, chunk.token_ids, chunk.result)
+            event = self._chunk_event(ticket, chunk.text, chunk.token_ids, chunk.result, chunk.logprobs)
             if event is not None:
                 sends.append((ticket, event))
         self._send_all(sends)
 
-    def _chunk_event(self, ticket: Ticket, text: str, token_ids: list[int],
-                     result: GenerationResult | None) -> Event | None:
+    def _chunk_event(self, ticket: Ticket, text: str, token_ids: list[int], result: GenerationResult | None,
+                     logprobs: list[TokenLogprobs] | None = None) -> Event | None:
         """A round's event for the ticket's handler, or None: a ticket that does not stream hears only of its
         result, a stream of every `stream_interval` tokens (its first text at once, the rest with the result)."""
         if result is None and not ticket.stream:
@@ -243,16 +246,18 @@ class EngineWorker:
         held = bool(ticket.held_ids or ticket.held_text)  # never with an interval of 1
         if held:
             text, token_ids = ticket.held_text + text, ticket.held_ids + token_ids
+            if logprobs is not None or ticket.held_logprobs:
+                logprobs = ticket.held_logprobs + (logprobs or [])
         if result is None:
             if not (text or token_ids):
                 return None
             if ticket.streamed and len(token_ids) < self.stream_interval:
-                ticket.held_text, ticket.held_ids = text, token_ids
+                ticket.held_text, ticket.held_ids, ticket.held_logprobs = text, token_ids, logprobs or []
                 return None
             ticket.streamed = ticket.streamed or bool(text)
         if held:
-            ticket.held_text, ticket.held_ids = "", []
-        return Event("chunk", text=text, token_ids=token_ids, result=result)
+            ticket.held_text, ticket.held_ids, ticket.held_logprobs = "", [], []
+        return Event("chunk", text=text, token_ids=token_ids, result=result, logprobs=logprobs)
 
     def _abort(self, ticket: Ticket) -> None:
         if ticket.done:

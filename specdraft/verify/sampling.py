@@ -15,6 +15,7 @@ import torch
 
 from specdraft.errors import InvalidParameterError
 from specdraft.verify.greedy import argmax
+from specdraft.verify.logprobs import MAX_LOGPROBS
 
 __all__ = ["Generators", "InvalidParameterError", "SamplingParams", "logits_to_probs", "sample", "sample_rows",
            "uniforms"]
@@ -23,7 +24,9 @@ __all__ = ["Generators", "InvalidParameterError", "SamplingParams", "logits_to_p
 class SamplingParams:
     """What to sample and when to stop; shaped like vLLM's `SamplingParams`.
 
-    temperature 0 means greedy decoding. top_k 0 (or -1) and top_p 1.0 disable those filters.
+    temperature 0 means greedy decoding. top_k 0 (or -1) and top_p 1.0 disable those filters. `logprobs`: report
+    each generated token's log-probability and that many most likely alternatives (0: the token's own only;
+    None: nothing), from the target's raw distribution (verify/logprobs.py).
     """
 
     temperature: float = 1.0
@@ -34,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,9 @@ class SamplingParams:
              f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
