@@ -51,6 +51,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: SpecMetrics
     result: GenerationResult
+    # Where `SamplingParams.prompt_logprobs` asked: per prompt token as `CompletionOutput.logprobs`, None first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -144,14 +146,19 @@ class LLM:
         params = self._params_list(sampling_params, len(encoded))
         results = self.engine.generate_many(encoded, params)
         return [RequestOutput(prompt, ids, [CompletionOutput(0, r.text, r.token_ids, r.finish_reason,
-                                                             self._logprob_dicts(r.logprobs))], r.metrics, r)
+                                                             self._logprob_dicts(r.logprobs))], r.metrics, r,
+                              self._logprob_dicts(r.prompt_logprobs))
                 for prompt, ids, r in zip(prompts, encoded, results)]
 
-    def _logprob_dicts(self, logprobs: list[TokenLogprobs] | None) -> list[dict[int, Logprob]] | None:
+    def _logprob_dicts(self, logprobs: Sequence[TokenLogprobs | None] | None) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: per position {token id: Logprob}, the token itself first, then its most likely ones."""
         if logprobs is None:
             return None
-        out = []
+        out: list[dict[int, Logprob] | None] = []
         for position in logprobs:
+            if position is None:  # a prompt's first token
+                out.append(None)
+                continue
             entries = {position.token_id: Logprob(position.logprob, position.rank,
                                                   self.tokenizer.token_piece(position.token_id))}
             for rank, (token, logprob) in enumerate(position.top, start=1):

@@ -118,6 +118,10 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
         assert next(iter(entries)) == token and entries[token].rank == 1 and len(entries) == 2  # greedy: the top
         assert entries[token].decoded_token == llm.tokenizer.token_piece(token)
         assert all(e.logprob <= 0 for e in entries.values())
+    prompt = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    assert prompt.prompt_logprobs[0] is None and len(prompt.prompt_logprobs) == len(prompt.prompt_token_ids)
+    for token, entries in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:], strict=True):
+        assert next(iter(entries)) == token and entries[token].rank >= 1 and len(entries) <= 2
     with pytest.raises(SpecdraftError, match="empty prompt"):
         llm.generate("", params)
     with pytest.raises(SpecdraftError, match="not valid UTF-8"):

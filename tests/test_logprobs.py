@@ -144,3 +144,30 @@ def test_streamed_chunks_carry_the_logprobs_of_their_tokens():
     assert [e for c in chunks for e in c.logprobs] == chunks[-1].result.logprobs
     assert [e.token_id for e in chunks[-1].result.logprobs] == chunks[-1].result.token_ids
     assert all(c.logprobs is None for c in engine(target).stream([1, 2], SamplingParams(max_tokens=3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_logprobs_are_every_prompt_rows_and_skip_no_reused_prefix(dtype):
+    """`prompt_logprobs`: None for the first prompt token, then each one's from the prompt's own forward, the
+    same whether the prompt ran alone, beside another of its length in one forward, or after a request that
+    left its cache entries for reuse (reuse would skip the rows those logprobs come from)."""
+    target = tiny_model(seed=0, vocab=VOCAB, dtype=dtype)
+    spec = engine(target, NgramDrafter(), k=3, max_batch=2)
+    exact = dtype == torch.bfloat16 and cpu_kernels.available()
+    g = torch.Generator().manual_seed(3)
+    for length in (9, 200):  # one forward; chunked prefill (blocks of 128)
+        prompt = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=2)
+        first = spec.generate(prompt, params)
+        reference = prefix_reference(target, prompt[:1], prompt[1:] + first.token_ids, 2)
+        assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == length
+        assert_same_logprobs(first.prompt_logprobs[1:], reference[:length - 1], prompt[1:], exact)
+        again = spec.generate(prompt, params)  # the slot still holds the prompt's entries
+        assert again.prompt_logprobs == first.prompt_logprobs and again.metrics.prompt_tokens_cached == 0
+        assert spec.generate(prompt, SamplingParams(temperature=0, max_tokens=4)).prompt_logprobs is None
+    twin = [(t + 1) % VOCAB for t in prompt[:9]]
+    together = spec.generate_many([prompt[:9], twin], [SamplingParams(temperature=0, max_tokens=2),
+                                                       SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)])
+    assert together[0].prompt_logprobs is None
+    alone = engine(target).generate(twin, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    assert_same_logprobs(together[1].prompt_logprobs[1:], alone.prompt_logprobs[1:], twin[1:], exact)

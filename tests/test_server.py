@@ -256,6 +256,39 @@ def test_logprobs_through_the_openai_client_are_the_engine_alones_streamed_or_no
     assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(server, target, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: the prompt as a batch of one list of token ids, `echo`,
+    `logprobs=1`, `max_tokens=1`. Every prompt token after the first gets the target's logprob of it (the first
+    null), the generated token its own; the text is the prompt's then the completion's; streamed the same."""
+    url, _ = server
+    prompt = tokenizer.encode("abcabcabd")
+    body = {"model": NAME, "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    choice = answer["choices"][0]
+    lp = choice["logprobs"]
+    alone = make_engine(target, tokenizer, max_batch=1, drafter=False).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))
+    assert choice["text"] == "abcabcabd" + alone.text and lp["tokens"] == list(choice["text"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"] == list(range(10))
+    expected = [e.logprob for e in alone.prompt_logprobs[1:] + alone.logprobs]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=0 if cpu_kernels.available() else 1e-3)
+    for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert top[token] == value and max(top.values()) >= value
+    # what the harness reads: the continuation's tokens are greedy when each is its position's most likely
+    assert lp["token_logprobs"][-1] == max(lp["top_logprobs"][-1].values())
+    assert answer["usage"]["prompt_tokens"] == 9 and answer["usage"]["completion_tokens"] == 1
+
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    parts = [e["choices"][0] for e in events if e["choices"]]
+    assert parts[0]["text"] == "abcabcabd" and "".join(p["text"] for p in parts) == choice["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for p in parts if p["logprobs"] for v in p["logprobs"][key]] == lp[key]
+    bare = client(url).completions.create(model=NAME, prompt="hello", max_tokens=3, temperature=0, echo=True)
+    assert bare.choices[0].text.startswith("hello") and len(bare.choices[0].text) == 8
+    assert bare.choices[0].logprobs is None
+
+
 @needs_kernels
 def test_greedy_outputs_under_8_way_concurrency_equal_the_engine_alone(server, target, tokenizer):
     """Eight clients at once share the batched rounds; each gets exactly what the engine gives it alone."""
@@ -336,7 +369,9 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (COMPLETIONS, json.dumps({"prompt": ""}).encode(), "empty"), (COMPLETIONS, comp(prompt=[]), "prompt"),
         (COMPLETIONS, comp(prompt=[-1]), "token ids"), (COMPLETIONS, comp(prompt=[10**6]), "token ids"),
         (COMPLETIONS, comp(prompt=["a", "b"]), "prompt"), (COMPLETIONS, comp(prompt=5), "prompt"),
-        (COMPLETIONS, comp(prompt=[1.5]), "prompt"), (COMPLETIONS, comp(echo=True), "echo"),
+        (COMPLETIONS, comp(prompt=[1.5]), "prompt"), (COMPLETIONS, comp(suffix="x"), "suffix"),
+        (COMPLETIONS, comp(prompt=[[1], [2]]), "prompt"), (COMPLETIONS, comp(prompt=[[]]), "prompt"),
+        (COMPLETIONS, comp(echo=1), "echo"),
         (COMPLETIONS, comp(max_tokens=10**9), "context"), (COMPLETIONS, comp(bogus=None), "unknown field"),
         (COMPLETIONS, json.dumps({"model": NAME}).encode(), "prompt"),
         (COMPLETIONS, comp(model="nope"), "does not exist"), (COMPLETIONS, comp(temperature="hot"), "temperature"),
@@ -573,7 +608,7 @@ def test_a_streamed_text_event_is_the_chunk_serialized_in_full():
     # a round's text (never empty)
     texts = [" hello", 'a "quoted" \\ back', "two\nlines\r", "caf\u00e9 \u2028 \U0001f600", "\0", "}]{"]
     for chat in (True, False):
-        reply = Reply(NAME, chat, 7, str)
+        reply = Reply(NAME, chat, [0] * 7, str)
         for with_usage in (True, False):
             for text in texts:
                 event = reply.text_event(text, with_usage)

@@ -82,6 +82,7 @@ class GenerationResult:
     origins: list[str] = field(default_factory=list)
     adaptation_log: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the params asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class StreamChunk:
     origins: list[str]
     result: GenerationResult | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the params asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the prompt's chunk, where asked for
 
 
 @dataclass
@@ -117,6 +119,7 @@ class Request:
     holds_slot: bool = True  # until released (the slot may then serve another request)
     result: GenerationResult | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per emitted token, where the params ask for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (None for the first)
 
     @property
     def finished(self) -> bool:
@@ -336,9 +339,11 @@ class Engine:
         length = len(requests[0].prompt_ids)
         t0 = time.perf_counter()
         exact = self.target.reuses_cache_entries(self.cache, length)
-        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 else 0
+        # Prompt logprobs need every prompt row's logits: nothing reused, no row left out of the head.
+        scored = any(r.params.prompt_logprobs is not None for r in requests)
+        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 and not scored else 0
         logits, final, captured, capture = self._score([r.prompt_ids[reused:] for r in requests], requests,
-                                                       length - reused - 1, hidden_layers)
+                                                       0 if scored else length - reused - 1, hidden_layers)
         prefill_time = time.perf_counter() - t0
         for r in requests:
             r.metrics.prompt_tokens_cached = reused
@@ -359,6 +364,9 @@ class Engine:
             if r.logprobs is not None:
                 logprobs = position_logprobs(logits[b, -1:], [first], r.params.logprobs)
                 r.logprobs.extend(logprobs)
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = [None, *position_logprobs(logits[b, :-1], r.prompt_ids[1:],
+                                                              r.params.prompt_logprobs)]
             if self.drafter is not None and not r.finished:
                 t = time.perf_counter()
                 prompt_hidden = self._hidden(hidden_layers, capture, captured, final, b)
@@ -366,7 +374,8 @@ class Engine:
                                                       r.slot, prompt_hidden))
                 r.drafting = True
                 r.metrics.draft_time += time.perf_counter() - t
-            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET], logprobs=logprobs)
+            chunks[r.id] = StreamChunk(r.id, r.out.take_delta(), [first], [TARGET], logprobs=logprobs,
+                                       prompt_logprobs=r.prompt_logprobs)
         if self.planner is not None:
             self.planner.prompt_forward()
         return chunks
@@ -559,7 +568,7 @@ class Engine:
         m.total_time = time.perf_counter() - r.started_at
         self.totals = self.totals.merge(m)
         r.result = GenerationResult(r.prompt_ids, r.out.token_ids, r.out.text, r.out.finish_reason, m, r.origins,
-                                    r.controller.log, r.logprobs)
+                                    r.controller.log, r.logprobs, r.prompt_logprobs)
         self.release(r)
         return r.result
 

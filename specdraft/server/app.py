@@ -301,10 +301,13 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
         first = await _next_event(ticket, watch)
         if first.kind == "error":
             raise first.error
+        echo = None
+        if not chat and body.echo:  # the prompt as given, or the text its token ids spell
+            echo = prompt if isinstance(prompt, str) else worker.tokenizer.decode(first.token_ids)
+        reply = Reply(state.model_name, chat, first.token_ids, worker.tokenizer.token_piece, echo)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse(ticket, Reply(state.model_name, chat, first.prompt_tokens, worker.tokenizer.token_piece),
-                          include_usage)
+            stream = _sse(ticket, reply, include_usage)
             return CancellingStream(stream, on_close=lambda: worker.cancel(ticket))
         result = await _collect(ticket, watch)
     except ClientGone:
@@ -313,7 +316,7 @@ async def _generate(state: ServerState, request: Request, body: ChatCompletionRe
     except BaseException:
         worker.cancel(ticket)
         raise
-    return JSONResponse(Reply(state.model_name, chat, first.prompt_tokens, worker.tokenizer.token_piece).full(result))
+    return JSONResponse(reply.full(result))
 
 
 class DisconnectWatch:
@@ -378,18 +381,23 @@ class CancellingStream(StreamingResponse):
 @dataclass
 class Reply:
     """Builds OpenAI's response objects for one request (chat or text completion); `piece` gives a token's
-    text on its own (its logprobs' `token`)."""
+    text on its own (its logprobs' `token`); `echo`: the prompt's text, put before the completion's."""
 
     model: str
     chat: bool
-    prompt_tokens: int
+    prompt_ids: list[int]
     piece: Callable[[int], str]
+    echo: str | None = None
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._text_events: dict[bool, tuple[str, str]] = {}
         self._text_offset = 0  # characters of completion text before the next token's (completions' logprobs)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     def usage(self, result: GenerationResult) -> dict[str, Any]:
         """OpenAI's token counts (the prompt's cached tokens: those whose cache entries were copied from an
@@ -403,45 +411,52 @@ class Reply:
                 "acceptance_rate": acceptance_rate(m.accepted, m.drafted),
                 "mean_accepted_length": mean_accepted_length(m.produced_tokens, m.target_forwards)}
 
-    def logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict[str, Any] | None:
-        """A choice's `logprobs` for these tokens (the next ones of the request): chat's `content` list, or
-        the completions API's parallel lists with each token's character offset in the completion."""
-        if logprobs is None:
+    def logprobs(self, logprobs: list[TokenLogprobs] | None,
+                 prompt: list[TokenLogprobs | None] | None = None) -> dict[str, Any] | None:
+        """A choice's `logprobs` for these tokens (the next ones of the request), after the `prompt`'s where
+        given (an echo): chat's `content` list, or the completions API's parallel lists with each token's
+        character offset in the text (a prompt's first token has no logprob: null, as OpenAI's)."""
+        if logprobs is None and prompt is None:
             return None
         if self.chat:
             return {"content": [{**self._token(p.token_id, p.logprob),
                                  "top_logprobs": [self._token(token, value) for token, value in p.top]}
-                                for p in logprobs], "refusal": None}
-        tokens, offsets, tops = [], [], []
-        for p in logprobs:
-            tokens.append(self.piece(p.token_id))
+                                for p in logprobs or ()], "refusal": None}
+        pairs = [*zip(self.prompt_ids, prompt or (), strict=prompt is not None),
+                 *((p.token_id, p) for p in logprobs or ())]
+        tokens, values, tops, offsets = [], [], [], []
+        for token_id, p in pairs:
+            tokens.append(self.piece(token_id))
             offsets.append(self._text_offset)
             self._text_offset += len(tokens[-1])
-            top = {tokens[-1]: _finite(p.logprob)}  # the token chosen, and the most likely ones (vLLM's way)
-            for token, value in p.top:
+            values.append(None if p is None else _finite(p.logprob))
+            top = None if p is None else {tokens[-1]: _finite(p.logprob)}  # the token, then the likeliest
+            for token, value in p.top if p is not None else ():
                 top.setdefault(self.piece(token), _finite(value))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_finite(p.logprob) for p in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         piece = self.piece(token_id)
         return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
     def full(self, result: GenerationResult) -> dict[str, Any]:
-        logprobs = self.logprobs(result.logprobs)
+        echoed = self.echo is not None
+        logprobs = self.logprobs(result.logprobs, result.prompt_logprobs if echoed else None)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": logprobs, "finish_reason": result.finish_reason}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": (self.echo or "") + result.text, "logprobs": logprobs,
+                      "finish_reason": result.finish_reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(result)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
               usage: dict[str, Any] | None = None, with_usage: bool = False,
-              logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        lp = self.logprobs(logprobs)
+              logprobs: list[TokenLogprobs] | None = None,
+              prompt_logprobs: list[TokenLogprobs | None] | None = None) -> dict[str, Any]:
+        lp = self.logprobs(logprobs, prompt_logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -485,11 +500,15 @@ async def _sse(ticket: Ticket, reply: Reply, include_usage: bool) -> AsyncIterat
     `[DONE]`. An error after the stream started arrives as an `error` event (the status is already sent)."""
     if reply.chat:
         yield _sse_line(reply.chunk(None, role=True, with_usage=include_usage))
+    echo = reply.echo
     while True:
         event = await ticket.events.get()
         if event.kind == "error":
             yield _sse_line(event.error.body())
             break
+        if echo is not None:  # the prompt first, with its logprobs (they come with the first token's round)
+            yield _sse_line(reply.chunk(echo, prompt_logprobs=event.prompt_logprobs, with_usage=include_usage))
+            echo = None
         if event.logprobs:  # a round's tokens with their logprobs (its text may lag behind, for stop strings)
             yield _sse_line(reply.chunk(event.text, logprobs=event.logprobs, with_usage=include_usage))
         elif event.text:

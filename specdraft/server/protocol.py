@@ -3,7 +3,7 @@
 Schemas are strict (`"0.5"` is not a number, `true` is not an integer) and closed (an unknown field is an
 error): a misspelt `max_token` that silently fell back to a default would be a worse bug than a 400. Fields
 of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`,
-`presence_penalty=0`, no `echo`) and refused otherwise, with a message saying so.
+`presence_penalty=0`, no `suffix`) and refused otherwise, with a message saying so.
 """
 
 from __future__ import annotations
@@ -113,20 +113,25 @@ class ChatCompletionRequest(_Generation):
         """Alternatives to report per generated token (`SamplingParams.logprobs`; None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprob_count(self) -> int | None:
+        """The same per prompt token (`SamplingParams.prompt_logprobs`): chat never reports them."""
+        return None
+
     def prompt(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
-    echo: bool = False
+    # A batch of one (a list of one string or of one list of ids) is taken as its prompt: lm-evaluation-harness
+    # sends its token ids so.
+    prompt: (str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    echo: bool = False  # the prompt's text before the completion's (and, with logprobs, its tokens' logprobs)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         return out
@@ -137,8 +142,11 @@ class CompletionRequest(_Generation):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo with logprobs: the prompt's tokens get them too
+
     def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
             return self.prompt[0]
         return self.prompt
 
@@ -171,7 +179,7 @@ def parse_body(raw: bytes, schema: type[Strict]) -> Any:
 
 # Fields whose union types make pydantic's own messages (one per member tried) hard to read.
 FIELD_HINTS = {
-    "prompt": "must be a string, a non-empty list of token ids or a list of one string (no batches)",
+    "prompt": "must be a string, a non-empty list of token ids, or a list of one of them (no batches)",
     "stop": "must be a string or a list of at most 16 strings",
 }
 
@@ -217,7 +225,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_
             top_k=0 if request.top_k is None else request.top_k,
             min_p=0.0 if request.min_p is None else request.min_p,
             seed=request.seed, max_tokens=budget if budget is not None else (default_max_tokens or 1),
-            stop=request.stop or (), ignore_eos=request.ignore_eos, logprobs=request.logprob_count())
+            stop=request.stop or (), ignore_eos=request.ignore_eos, logprobs=request.logprob_count(),
+            prompt_logprobs=request.prompt_logprob_count())
     except InvalidParameterError as exc:
         message = str(exc)
         param = next((f for f in SAMPLING_FIELDS if message.startswith(f) or message.startswith(f + " ")), None)

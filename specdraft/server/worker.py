@@ -40,8 +40,9 @@ def shutting_down() -> APIError:
 
 @dataclass
 class Event:
-    """One message from the engine thread to a handler: `accepted` (prompt tokenized and valid), `chunk`
-    (text and tokens of one round; `result` on the last) or `error` (`error` set; the ticket is over)."""
+    """One message from the engine thread to a handler: `accepted` (prompt tokenized and valid; its ids in
+    `token_ids`), `chunk` (text and tokens of one round; `result` on the last) or `error` (`error` set; the
+    ticket is over)."""
 
     kind: str
     prompt_tokens: int = 0
@@ -50,6 +51,7 @@ class Event:
     result: GenerationResult | None = None
     error: APIError | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first chunk, where asked for
 
     @property
     def final(self) -> bool:
@@ -195,7 +197,7 @@ class EngineWorker:
             return
         ticket.prompt_ids, ticket.params = ids, params
         self._waiting.append(ticket)
-        self._send(ticket, Event("accepted", prompt_tokens=len(ids)))
+        self._send(ticket, Event("accepted", prompt_tokens=len(ids), token_ids=ids))
 
     def _admit(self) -> None:
         while self._waiting and self.engine.free_slots > 0:
@@ -233,6 +235,8 @@ class EngineWorker:
                 self.metrics.prompt_cache(chunk.result.metrics)
                 self.metrics.e2e.observe(now - ticket.arrived)
             event = self._chunk_event(ticket, chunk.text, chunk.token_ids, chunk.result, chunk.logprobs)
+            if event is not None and chunk.prompt_logprobs is not None:  # the prompt's chunk: never held back
+                event.prompt_logprobs = chunk.prompt_logprobs
             if event is not None:
                 sends.append((ticket, event))
         self._send_all(sends)

@@ -26,7 +26,8 @@ class SamplingParams:
 
     temperature 0 means greedy decoding. top_k 0 (or -1) and top_p 1.0 disable those filters. `logprobs`: report
     each generated token's log-probability and that many most likely alternatives (0: the token's own only;
-    None: nothing), from the target's raw distribution (verify/logprobs.py).
+    None: nothing), from the target's raw distribution (verify/logprobs.py); `prompt_logprobs` the same for
+    every prompt token after the first (the prompt's forward then computes logits for all its rows).
     """
 
     temperature: float = 1.0
@@ -38,6 +39,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,9 +61,9 @@ class SamplingParams:
              f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
-             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
+            *((value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS),
+               f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+              for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))),
         ]
         for ok, message in checks:
             if not ok:
