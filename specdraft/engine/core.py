@@ -340,10 +340,10 @@ class Engine:
         t0 = time.perf_counter()
         exact = self.target.reuses_cache_entries(self.cache, length)
         # Prompt logprobs need every prompt row's logits: nothing reused, no row left out of the head.
-        scored = any(r.params.prompt_logprobs is not None for r in requests)
-        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 and not scored else 0
+        every_row = any(r.params.prompt_logprobs is not None for r in requests)
+        reused = self._reuse_prefix(requests[0]) if exact and len(requests) == 1 and not every_row else 0
         logits, final, captured, capture = self._score([r.prompt_ids[reused:] for r in requests], requests,
-                                                       0 if scored else length - reused - 1, hidden_layers)
+                                                       0 if every_row else length - reused - 1, hidden_layers)
         prefill_time = time.perf_counter() - t0
         for r in requests:
             r.metrics.prompt_tokens_cached = reused

@@ -415,7 +415,8 @@ class Reply:
                  prompt: list[TokenLogprobs | None] | None = None) -> dict[str, Any] | None:
         """A choice's `logprobs` for these tokens (the next ones of the request), after the `prompt`'s where
         given (an echo): chat's `content` list, or the completions API's parallel lists with each token's
-        character offset in the text (a prompt's first token has no logprob: null, as OpenAI's)."""
+        character offset in the text (a prompt's first token has no logprob: null, as OpenAI's). Called for
+        a request's tokens in order (the offsets run on from one call to the next)."""
         if logprobs is None and prompt is None:
             return None
         if self.chat:
@@ -426,13 +427,18 @@ class Reply:
                  *((p.token_id, p) for p in logprobs or ())]
         tokens, values, tops, offsets = [], [], [], []
         for token_id, p in pairs:
-            tokens.append(self.piece(token_id))
+            piece = self.piece(token_id)
+            tokens.append(piece)
             offsets.append(self._text_offset)
-            self._text_offset += len(tokens[-1])
-            values.append(None if p is None else _finite(p.logprob))
-            top = None if p is None else {tokens[-1]: _finite(p.logprob)}  # the token, then the likeliest
-            for token, value in p.top if p is not None else ():
+            self._text_offset += len(piece)
+            if p is None:  # a prompt's first token: nothing before it to predict it
+                values.append(None)
+                tops.append(None)
+                continue
+            top = {piece: _finite(p.logprob)}  # the token itself, then the likeliest (vLLM's way)
+            for token, value in p.top:
                 top.setdefault(self.piece(token), _finite(value))
+            values.append(_finite(p.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 

@@ -61,9 +61,10 @@ class SamplingParams:
              f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            *((value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS),
-               f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
-              for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))),
+            (_logprob_count(self.logprobs),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
+            (_logprob_count(self.prompt_logprobs),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -72,6 +73,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logprob_count(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
