@@ -9,6 +9,8 @@ import pytest
 from specdraft import LLM, ContextOverflowError, InvalidParameterError, SamplingParams, SpecdraftError
 from specdraft.cli import main
 from specdraft.config import SpecConfig
+from specdraft.engine.core import Engine
+from specdraft.runtime import cpu_kernels
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -112,12 +114,21 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     assert streamed == out.text
     # Logprobs in vLLM's shape: per token {token id: Logprob}, the token chosen first, then the most likely.
     assert out.outputs[0].logprobs is None
-    scored = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, logprobs=2))[0].outputs[0]
+    scored_request = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, logprobs=2))[0]
+    scored = scored_request.outputs[0]
     assert scored.token_ids == out.outputs[0].token_ids and len(scored.logprobs) == len(scored.token_ids)
     for token, entries in zip(scored.token_ids, scored.logprobs, strict=True):
         assert next(iter(entries)) == token and entries[token].rank == 1 and len(entries) == 2  # greedy: the top
         assert entries[token].decoded_token == llm.tokenizer.token_piece(token)
         assert all(e.logprob <= 0 for e in entries.values())
+    # ... the same as plain decoding reports them (the drafts were scored in blocks of the verification forward)
+    plain = Engine(llm.target, llm.tokenizer, None, 0, max_model_len=256)
+    alone = plain.generate(out.prompt_token_ids, SamplingParams(temperature=0, max_tokens=24, logprobs=2)).logprobs
+    got = [[(token, e.logprob) for token, e in entries.items()] for entries in scored.logprobs]
+    want = [[(e.token_id, e.logprob), *(pair for pair in e.top if pair[0] != e.token_id)] for e in alone]
+    assert [g[0][0] for g in got] == [w[0][0] for w in want]
+    if cpu_kernels.available():  # row-invariant kernels: the same bits
+        assert scored_request.metrics.accepted > 0 and got == want
     prompt = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     assert prompt.prompt_logprobs[0] is None and len(prompt.prompt_logprobs) == len(prompt.prompt_token_ids)
     for token, entries in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:], strict=True):
