@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 
 from specdraft.config import BACKEND_HELP, BACKENDS, DTYPE_HELP, arg_draft_length, arg_int_in, arg_tree_size
 from specdraft.drafters import DRAFTER_HELP
 from specdraft.errors import SpecdraftError
+from specdraft.verify.logprobs import MAX_LOGPROBS, TokenLogprobs
 from specdraft.verify.sampling import SamplingParams
 
 # ANSI colours for --show-drafts: accepted draft tokens, the target's corrections, bonus tokens.
@@ -17,7 +19,8 @@ RESET = "\033[0m"
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or ())
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or (),
+                          logprobs=args.logprobs)
 
 
 def _build_llm(args: argparse.Namespace):
@@ -61,13 +64,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
+    sys.stdout.flush()  # before the report on stderr
     if args.show_drafts:
         print("legend: " + " ".join(f"{c}{name}{RESET}" for name, c in ORIGIN_COLOURS.items() if c),
               file=sys.stderr)
+    if result.logprobs is not None:
+        print(logprob_table(result.logprobs, llm.tokenizer.token_piece), file=sys.stderr)
     print(f"[{result.finish_reason}] {result.metrics.summary()}", file=sys.stderr)
     for line in result.adaptation_log:
         print(f"  adaptive: {line}", file=sys.stderr)
     return 0
+
+
+def logprob_table(logprobs: Sequence[TokenLogprobs], piece: Callable[[int], str]) -> str:
+    """One line per generated token: its text, log-probability and rank, then the most likely ones."""
+    lines = [f"{'#':>4}  {'token':<16} {'logprob':>8} {'rank':>5}  most likely"]
+    for i, entry in enumerate(logprobs):
+        alternatives = "  ".join(f"{piece(t)!r} {value:.3f}" for t, value in entry.top)
+        lines.append(f"{i:>4}  {piece(entry.token_id)!r:<16} {entry.logprob:>8.3f} {entry.rank:>5}  {alternatives}")
+    return "\n".join(lines)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -161,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=arg_int_in(0, MAX_LOGPROBS), default=None, metavar="N",
+                     help="after the text, each token's log-probability under the target and its N most likely "
+                          "alternatives (on stderr)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     gen.add_argument("--backend", default="specdraft", choices=BACKENDS, help=BACKEND_HELP)
     gen.add_argument("--max-model-len", type=arg_int_in(2), default=4096)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,7 @@ def test_cli_reports_user_errors_without_a_traceback(argv, message, capsys):
     (["generate", "hi", "--tree", "32"], "argument --tree: must be an integer in [0, 31], got 32"),
     (["demo", "--tree", "-1"], "argument --tree: must be an integer in [0, 31], got -1"),
     (["bench", "--tree", "x"], "argument --tree: expected an integer, got 'x'"),
+    (["generate", "hi", "--logprobs", "21"], "argument --logprobs: must be an integer in [0, 20], got 21"),
 ])
 def test_cli_names_the_flag_the_user_typed(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -45,6 +47,20 @@ def test_cli_names_the_flag_the_user_typed(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "speculation_length" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_generate_prints_each_tokens_logprobs_after_the_text(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "5", "--logprobs", "2", "--draft",
+                 "ngram"]) == 0
+    out, err = capsys.readouterr()
+    table = err.splitlines()[:6]
+    assert table[0].split()[:4] == ["#", "token", "logprob", "rank"] and out.strip()
+    for i, line in enumerate(table[1:]):
+        row = re.fullmatch(r"\s*(\d+)  (.+?) +(-?\d+\.\d{3}) +(\d+)  (.*)", line)
+        assert row and row[1] == str(i) and float(row[3]) <= 0 and row[4] == "1", line  # greedy: the most likely
+        alternatives = [float(v) for v in re.findall(r" (-?\d+\.\d{3})(?=  |$)", row[5])]
+        assert len(alternatives) == 2 and alternatives[0] == float(row[3]) >= alternatives[1]
 
 
 def test_one_name_per_concept_with_the_old_spellings_accepted():
