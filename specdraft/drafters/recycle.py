@@ -34,6 +34,7 @@ import numpy as np
 from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, node_budgets
 from specdraft.drafters.ngram import NO_OCCURRENCE, NgramIndex
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.paths import replaced_on_success
 
 # The constants below are measured on the target's own answers to held-out training prompts (the validation
 # split of SmolLM2-135M's distillation, 31k answer positions, half of them sampled at T = 0.7), never on
@@ -161,11 +162,10 @@ class NgramTable:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"keys": self.keys, "next_tokens": self.next_tokens,
-                   "next_probs": self.next_probs.astype(np.float16)}, str(tmp),
-                  metadata={"specdraft": json.dumps(self.meta)})
-        tmp.replace(path)
+        with replaced_on_success(path) as tmp:
+            save_file({"keys": self.keys, "next_tokens": self.next_tokens,
+                       "next_probs": self.next_probs.astype(np.float16)}, str(tmp),
+                      metadata={"specdraft": json.dumps(self.meta)})
         return path
 
     @classmethod

@@ -36,6 +36,7 @@ from torch import nn
 from specdraft.errors import ModelLoadError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.cpu_kernels import Q4, Q8, Q8H
+from specdraft.runtime.paths import replaced_on_success
 
 FORMAT_NAMES = {Q4: "q4", Q8: "q8", Q8H: "q8h"}
 BLOCK_ELEMS = {Q4: 32, Q8: 32, Q8H: 16}
@@ -428,9 +429,8 @@ def load_native(gguf_path: Path, converted: Path, cfg, hf_state: dict[str, torch
         except Exception as exc:  # a damaged cache entry is rebuilt
             warnings.warn(f"specdraft: rebuilding damaged {cache} ({exc})", stacklevel=2)
     packed, meta = build_native(gguf_path, cfg, hf_state, progress)
-    tmp = cache.with_suffix(".tmp")
-    save_file(packed, str(tmp), metadata={"specdraft": json.dumps(meta)})
-    tmp.replace(cache)  # atomic: an interrupted build leaves no half-written cache
+    with replaced_on_success(cache) as tmp:  # an interrupted build leaves no half-written cache
+        save_file(packed, str(tmp), metadata={"specdraft": json.dumps(meta)})
     return packed, meta
 
 

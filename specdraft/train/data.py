@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.paths import replaced_on_success
 
 MANIFEST = "manifest.json"
 
@@ -53,17 +54,14 @@ def write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int],
             counts = lengths
             tensors[f"hidden.{layer}"] = torch.cat(rows).contiguous()
         tensors["feature_offsets"] = _offsets(counts)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    with replaced_on_success(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
     """`text` to `path` whole or not at all: an interrupted run leaves the old file (or none), never half of one."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    with replaced_on_success(Path(path)) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def read_features(path: Path, layers: list[int]) -> list[dict[int, torch.Tensor]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.paths import replaced_on_success
 from specdraft.train.features import cut, item_positions
 
 CHECKPOINT = "checkpoint.pt"
@@ -128,10 +129,9 @@ def train_loop(head: torch.nn.Module, config: LoopConfig, train_items: Sequence,
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
 
     def checkpoint(step: int) -> None:
-        tmp = ckpt_path.with_name(CHECKPOINT + ".tmp")
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "history": history, "config": asdict(config)}, tmp)
-        tmp.replace(ckpt_path)
+        with replaced_on_success(ckpt_path) as tmp:
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "history": history, "config": asdict(config)}, tmp)
 
     bar = None
     if progress:
