@@ -816,10 +816,21 @@ def test_bundled_smollm2_chat_template_through_the_openai_client():
               progress=False)
     messages = [{"role": "user", "content": "Name three colours."}]
     expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0]
+    text = "The capital of France is Paris, and the capital of Italy is"
+    scored = llm.generate(text, SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
     with serve_in_thread(create_app(llm.engine, llm.tokenizer, "smollm2-135m")) as url:
         oa = client(url)
         reply = oa.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
         streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
             model="smollm2-135m", messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
+        # lm-evaluation-harness's loglikelihood request, on the real tokenizer: the text's tokens' logprobs
+        echoed = oa.completions.create(model="smollm2-135m", prompt=[scored.prompt_token_ids], echo=True,
+                                       logprobs=1, max_tokens=1, temperature=0).choices[0]
     assert reply.choices[0].message.content == expected.text == streamed
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert echoed.text == text + scored.text
+    generated = scored.outputs[0]
+    want = [None] + [p[t].logprob for t, p in zip(scored.prompt_token_ids[1:], scored.prompt_logprobs[1:])]
+    assert echoed.logprobs.token_logprobs == want + [generated.logprobs[0][generated.token_ids[0]].logprob]
+    paris = echoed.logprobs.tokens.index(" Paris")  # the model's first choice after "The capital of France is"
+    assert echoed.logprobs.token_logprobs[paris] == max(echoed.logprobs.top_logprobs[paris].values()) > -1
