@@ -124,6 +124,24 @@ def test_speculation_on_a_transformers_target_is_identical_to_plain_greedy(hf_ta
             assert result.metrics.target_forwards < len(expected) / 2
 
 
+def test_logprobs_on_a_transformers_target_are_its_own_log_softmax(hf_target):
+    """Prompt and generated tokens' logprobs, sampled with a draft model's trees (rejections included): each is
+    transformers' own log-softmax over one full forward of the sequence."""
+    spec = engine(hf_target, ModelDrafter(tiny_model(seed=1, vocab=VOCAB)), k=4, tree=6)
+    for seed, ids in enumerate(prompts(2, seed=4)):
+        got = spec.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=16, logprobs=2,
+                                                prompt_logprobs=1))
+        sequence = ids + got.token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_target.model(torch.tensor([sequence])).logits[0, :-1].float(), -1)
+        rows = [*got.prompt_logprobs[1:], *got.logprobs]
+        assert got.prompt_logprobs[0] is None and [e.token_id for e in rows] == sequence[1:]
+        expected = reference[torch.arange(len(rows)), torch.tensor(sequence[1:])]
+        assert [e.logprob for e in rows] == pytest.approx(expected.tolist(), abs=1e-4)
+        assert all(len(e.top) == 2 for e in got.logprobs) and all(len(e.top) == 1 for e in rows[:len(ids) - 1])
+    assert 0 < spec.totals.accepted < spec.totals.drafted
+
+
 def test_requests_batched_on_a_transformers_target_decode_as_alone(hf_target):
     params = SamplingParams(temperature=0, max_tokens=16)
     batch = prompts(5, seed=3)
