@@ -17,8 +17,9 @@ from specdraft.verify.greedy import topk_indices
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 # Rows are scored a few at a time, their fp32 copy and log-softmax (8 bytes a logit) within about this many
-# bytes (a core's L2 cache): a prompt's thousands of rows at once would be hundreds of MB written to memory and
-# read back (SmolLM2, 200 rows at once: 35-60 ms; 2 at a time: 13-22 ms; Gemma 3's vocabulary goes 1 at a time).
+# bytes (a core's L2 cache), not a prompt's hundreds of rows at once (hundreds of MB through memory). SmolLM2's
+# rows go two at a time: 100-125 us a row, against 285-335 for 200 rows at once and 175-190 alone
+# (docs/bench/amd-zen4/stop52/ab/logprob-blocks.txt); Gemma 3's vocabulary goes one at a time.
 BLOCK_BYTES = 1 << 20
 
 

@@ -1,0 +1,90 @@
+"""What logprobs cost on the engine alone: decoding with `logprobs` None / 0 / N (plain and with a drafter), and
+prompt forwards with and without `prompt_logprobs` (every prompt row through the output layer and scored).
+Settings alternate within each pass (the order reversed every other pass); medians of the passes, each
+setting's throughput and its ratio to the one without logprobs.
+
+    .venv/bin/python scripts/bench_logprobs.py [--model smollm2-135m] [--dtype auto] [--drafter ngram]
+        [--prompts 8] [--max-tokens 64] [--top 5] [--passes 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from specdraft.bench.machine import header, header_lines
+from specdraft.bench.suite import load_suite
+from specdraft.config import target_dtype
+from specdraft.engine.core import build_engine
+from specdraft.runtime.loader import load_model, load_tokenizer
+from specdraft.verify.sampling import SamplingParams
+
+
+def alternated(ways: dict[str, Callable[[], float]], passes: int) -> dict[str, float]:
+    """Each way's median over `passes` (a rate: higher is better), the ways' order reversed every other pass."""
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    for i in range(passes):
+        for name in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
+            rates[name].append(ways[name]())
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def report(title: str, rates: dict[str, float], unit: str) -> None:
+    base = next(iter(rates.values()))
+    print(title + ": " + ", ".join(f"{name} {rate:.1f} {unit} ({rate / base:.3f}x)" for name, rate in rates.items()),
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--suite", default="../shared/data/specbench-dev.jsonl")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=4)
+    args = parser.parse_args()
+    print("\n".join(header_lines({**header(), "model": args.model})))
+    target = load_model(args.model, dtype=target_dtype(args.dtype, args.drafter), progress=False)
+    tokenizer = load_tokenizer(args.model, progress=False)
+    questions = load_suite(args.suite)
+    step = max(1, len(questions) // args.prompts)  # across the suite's categories
+    prompts = [tokenizer.prompt_ids(q.turns[0], chat=tokenizer.has_chat_template)
+               for q in questions[::step][:args.prompts]]
+    print(f"{len(prompts)} prompts of {sum(map(len, prompts))} tokens, {args.max_tokens} greedy tokens each")
+
+    for drafter in (None, args.drafter):
+        engine = build_engine(target, tokenizer, drafter, 5 if drafter else 0)
+
+        def decode(logprobs: int | None, engine=engine) -> float:
+            engine.restore_prefixes({})
+            start, tokens = time.perf_counter(), 0
+            for ids in prompts:
+                params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=logprobs)
+                tokens += len(engine.generate(ids, params).token_ids)
+            return tokens / (time.perf_counter() - start)
+
+        rates = alternated({"none": lambda: decode(None), "logprobs=0": lambda: decode(0),
+                            f"logprobs={args.top}": lambda: decode(args.top)}, args.passes)
+        report(f"decoding, {drafter or 'plain'}", rates, "tok/s")
+
+    engine = build_engine(target, tokenizer, None, 0)
+
+    def prefill(prompt_logprobs: int | None) -> float:
+        engine.restore_prefixes({})
+        start = time.perf_counter()
+        for ids in prompts:
+            engine.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=prompt_logprobs))
+        return sum(map(len, prompts)) / (time.perf_counter() - start)
+
+    rates = alternated({"first token only": lambda: prefill(None), "prompt_logprobs=1": lambda: prefill(1)},
+                       args.passes)
+    report("prompt forwards", rates, "prompt tok/s")
+
+
+if __name__ == "__main__":
+    main()
