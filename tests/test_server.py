@@ -289,6 +289,52 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
     assert bare.choices[0].logprobs is None
 
 
+def test_vllms_tokenizer_endpoints_use_the_servers_tokenizer(server, tokenizer):
+    """`/tokenize` (a prompt, or messages through the chat template), `/detokenize` and `/tokenizer_info`, as
+    vLLM serves them and lm-evaluation-harness's remote tokenizer reads them."""
+    url, engine = server
+    made = httpx.post(url + TOKENIZE, json={"prompt": "hello", "model": NAME}).json()
+    assert made == {"count": 5, "max_model_len": engine.max_model_len, "tokens": tokenizer.encode("hello")}
+    chat = httpx.post(url + TOKENIZE, json={"messages": MSG}).json()
+    assert chat["tokens"] == tokenizer.prompt_ids(MSG) == tokenizer.encode("abc|")
+    assert httpx.post(url + DETOKENIZE, json={"tokens": made["tokens"]}).json() == {"prompt": "hello"}
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert "eos_token" in info and info["chat_template"] == "concatenate"
+    assert info["model_max_length"] == engine.max_model_len
+    # the engine goes on serving while they are asked
+    with ThreadPoolExecutor(4) as pool:
+        texts = pool.map(lambda i: chat_text(url, "abc", 8).json()["choices"][0]["message"]["content"], range(4))
+        ids = [httpx.post(url + TOKENIZE, json={"prompt": "xyz" * i}).json()["tokens"] for i in range(20)]
+    assert len(set(texts)) == 1 and ids == [tokenizer.encode("xyz" * i) for i in range(20)]
+
+
+def test_engine_thread_calls_give_their_result_or_error_and_503_once_stopped(target, tokenizer):
+    import asyncio
+
+    from specdraft.server.metrics import ServerMetrics
+    from specdraft.server.protocol import APIError
+    from specdraft.server.worker import EngineWorker
+
+    worker = EngineWorker(make_engine(target, tokenizer, max_batch=1), tokenizer, ServerMetrics(NAME))
+    worker.start()
+
+    async def calls() -> None:
+        loop = asyncio.get_running_loop()
+        assert await worker.call(lambda: threading.current_thread().name, loop) == "specdraft-engine"
+        with pytest.raises(ZeroDivisionError):
+            await worker.call(lambda: 1 / 0, loop)
+        assert await worker.call(lambda: 6 * 7, loop) == 42  # the engine thread goes on
+
+    asyncio.run(calls())
+    worker.stop()
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(APIError, match="shutting down"):
+            worker.call(lambda: 1, loop)
+    finally:
+        loop.close()
+
+
 @needs_kernels
 def test_greedy_outputs_under_8_way_concurrency_equal_the_engine_alone(server, target, tokenizer):
     """Eight clients at once share the batched rounds; each gets exactly what the engine gives it alone."""
@@ -323,6 +369,7 @@ def test_32_concurrent_streaming_clients_all_complete(server):
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 MSG = [{"role": "user", "content": "abc"}]
 
 
@@ -375,6 +422,13 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (COMPLETIONS, comp(max_tokens=10**9), "context"), (COMPLETIONS, comp(bogus=None), "unknown field"),
         (COMPLETIONS, json.dumps({"model": NAME}).encode(), "prompt"),
         (COMPLETIONS, comp(model="nope"), "does not exist"), (COMPLETIONS, comp(temperature="hot"), "temperature"),
+        (TOKENIZE, b"{}", "one of them"), (TOKENIZE, json.dumps({"prompt": "a", "messages": MSG}).encode(), "one of"),
+        (TOKENIZE, json.dumps({"prompt": 5}).encode(), "prompt"), (TOKENIZE, b'{"prompt": "\\udcff"}', "UTF-8"),
+        (TOKENIZE, json.dumps({"messages": []}).encode(), "messages"), (TOKENIZE, b"[", "JSON"),
+        (TOKENIZE, json.dumps({"prompt": "a", "bogus": 1}).encode(), "unknown field"),
+        (DETOKENIZE, json.dumps({"tokens": [VOCAB]}).encode(), "token ids"), (DETOKENIZE, b"{}", "tokens"),
+        (DETOKENIZE, json.dumps({"tokens": ["a"]}).encode(), "tokens"),
+        (DETOKENIZE, json.dumps({"tokens": [1], "model": "gpt-4"}).encode(), "does not exist"),
     ]
     return cases
 
@@ -427,6 +481,8 @@ def test_api_key_is_required_when_set(target, tokenizer):
         assert len(ok.choices[0].message.content) == 3
         assert httpx.post(url + "/reset_prefix_cache").status_code == 401
         assert httpx.post(url + "/reset_prefix_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.post(url + TOKENIZE, json={"prompt": "abc"}).status_code == 401
+        assert httpx.get(url + "/tokenizer_info").status_code == 401
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
         assert httpx.get(url + "/metrics").status_code == 200
         # bench-serve's load generator sends the key (`--api-key`), and counts a refusal as an error

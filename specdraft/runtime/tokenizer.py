@@ -49,8 +49,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return (self._fast_decode or self.hf.decode)(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return (self._fast_decode or self.hf.decode)(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
@@ -58,7 +58,15 @@ class Tokenizer:
     def token_piece(self, token_id: int) -> str:
         """One token's text on its own, special tokens included: what logprobs show of it (a token that ends
         inside a character of several bytes shows U+FFFD there, as vLLM's do)."""
-        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+        return self.decode([int(token_id)], skip_special_tokens=False)
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's `/tokenizer_info` tells a client that tokenizes for itself: the class, special tokens and
+        chat template."""
+        hf = self.hf
+        return {"tokenizer_class": type(hf).__name__, "eos_token": getattr(hf, "eos_token", None),
+                "bos_token": getattr(hf, "bos_token", None), "pad_token": getattr(hf, "pad_token", None),
+                "chat_template": getattr(hf, "chat_template", None)}
 
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], chat: bool = False) -> list[int]:
         """The one way a prompt becomes token ids: a list of token ids as given; a list of chat messages

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,6 +37,8 @@ from specdraft.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     parse_body,
     sampling_params,
@@ -45,7 +47,8 @@ from specdraft.server.worker import EngineWorker, Event, Ticket
 from specdraft.verify.logprobs import TokenLogprobs
 
 log = logging.getLogger("specdraft.server")
-RESET_TIMEOUT_S = 60.0  # a round takes milliseconds; a stuck engine thread must not hang the request
+T = TypeVar("T")
+ENGINE_CALL_TIMEOUT_S = 60.0  # a round takes milliseconds; a stuck engine thread must not hang the request
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 
 
@@ -259,11 +262,34 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         """vLLM's endpoint of this name: later prompts reuse no cache entries of earlier ones (benchmarks)."""
         _check_key(state, request)
-        done = state.ready_worker().reset_prefixes()
-        # applied between two rounds (or at shutdown): a round away at most
-        if not await asyncio.to_thread(done.wait, RESET_TIMEOUT_S):
-            raise APIError(503, "the engine did not get to the reset", "server_error")
+        await _on_engine_thread(state, lambda worker: worker.engine.restore_prefixes({}), "the reset")
         return JSONResponse({"status": "ok"})
+
+    # vLLM's tokenizer endpoints (lm-evaluation-harness finds and uses them instead of downloading the
+    # tokenizer): the engine thread's tokenizer, used on that thread (see worker.py).
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        _check_key(state, request)
+        body = parse_body(await request.body(), TokenizeRequest)
+        _check_model(state, body.model)
+        ids = await _on_engine_thread(state, lambda worker: body.token_ids(worker.tokenizer), "the tokenizer",
+                                      "prompt" if body.messages is None else "messages")
+        return JSONResponse({"count": len(ids), "max_model_len": state.ready_worker().engine.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _check_key(state, request)
+        body = parse_body(await request.body(), DetokenizeRequest)
+        _check_model(state, body.model)
+        text = await _on_engine_thread(state, lambda worker: body.text(worker.tokenizer), "the tokenizer")
+        return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        _check_key(state, request)
+        worker = state.ready_worker()
+        return JSONResponse({**worker.tokenizer.info(), "model_max_length": worker.engine.max_model_len})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -286,6 +312,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(state, body.model)
         return await _generate(state, request, body, chat=True)
+
+
+async def _on_engine_thread(state: ServerState, fn: Callable[[EngineWorker], T], what: str,
+                            param: str | None = None) -> T:
+    """`fn(worker)` on the engine thread, between two rounds (a round away at most); a `SpecdraftError` it
+    raises is the request's 400 (about `param`)."""
+    worker = state.ready_worker()
+    try:
+        return await asyncio.wait_for(worker.call(lambda: fn(worker), asyncio.get_running_loop()),
+                                      ENGINE_CALL_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(503, f"the engine did not get to {what}", "server_error") from None
+    except SpecdraftError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 async def _generate(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,

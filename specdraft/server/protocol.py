@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdraft.errors import InvalidParameterError
+from specdraft.runtime.tokenizer import check_text
 from specdraft.verify.logprobs import MAX_LOGPROBS
 from specdraft.verify.sampling import SamplingParams
 
@@ -149,6 +150,42 @@ class CompletionRequest(_Generation):
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
             return self.prompt[0]
         return self.prompt
+
+
+class TokenizeRequest(Strict):
+    """vLLM's `/tokenize`: a prompt's token ids, or chat messages' through the chat template (with the
+    generation prompt, as a chat request reads them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        if (self.prompt is None) == (self.messages is None):
+            return [("prompt", "give a prompt or messages, one of them")]
+        return []
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        if self.messages is not None:
+            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in self.messages])
+        check_text(self.prompt, "prompt", allow_blank=True)
+        return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+
+
+class DetokenizeRequest(Strict):
+    """vLLM's `/detokenize`: the text of token ids, special tokens included."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        return []
+
+    def text(self, tokenizer: Any) -> str:
+        if any(not 0 <= t < tokenizer.vocab_size for t in self.tokens):
+            raise bad_request(f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
+        return tokenizer.decode(self.tokens, skip_special_tokens=False)
 
 
 def parse_body(raw: bytes, schema: type[Strict]) -> Any:

@@ -9,7 +9,9 @@ client that goes away is `cancel`led: the engine thread releases its slot before
 slot serves the next waiting request at once.
 
 Commands reach the thread through a `queue.Queue` and are applied between rounds only, so the engine is
-never used from two threads and needs no lock.
+never used from two threads and needs no lock. So is its tokenizer: transformers' fast tokenizers reconfigure
+their Rust tokenizer on every encode, and two threads encoding at once can fail ("Already borrowed"); the
+`/tokenize` endpoints `call` the engine thread for it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from specdraft.engine.core import Engine, GenerationResult, Request
 from specdraft.errors import ContextOverflowError, SpecdraftError
@@ -32,6 +35,7 @@ from specdraft.verify.sampling import SamplingParams
 
 log = logging.getLogger("specdraft.server")
 IDLE_POLL_S = 0.05  # how often an idle engine thread looks for the stop flag
+T = TypeVar("T")
 
 
 def shutting_down() -> APIError:
@@ -117,16 +121,15 @@ class EngineWorker:
                 raise shutting_down()
             self._commands.put(("submit", ticket))
 
-    def reset_prefixes(self) -> threading.Event:
-        """Forget every prompt's cache entries kept for reuse (`Engine.restore_prefixes({})`), between rounds;
-        the event is set once done. Later prompts compute their whole prompt again (a benchmark repeating
-        its prompts would otherwise time the cache, not the prefill)."""
-        done = threading.Event()
+    def call(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop) -> asyncio.Future[T]:
+        """`fn()` on the engine thread between two rounds (what uses the engine or its tokenizer); its result, or
+        its exception, on a future of `loop` (a 503 if the server shuts down first)."""
+        future = loop.create_future()
         with self._gate:
             if self._stopping.is_set():
                 raise shutting_down()
-            self._commands.put(("reset_prefixes", done))
-        return done
+            self._commands.put(("call", (fn, future)))
+        return future
 
     def cancel(self, ticket: Ticket) -> None:
         """The client is gone (or the handler failed): free the ticket's slot; a no-op once it finished."""
@@ -165,9 +168,12 @@ class EngineWorker:
                 self._accept(item)
             elif command == "cancel":
                 self._abort(item)
-            elif command == "reset_prefixes":
-                self.engine.restore_prefixes({})
-                item.set()
+            elif command == "call":
+                fn, future = item
+                try:
+                    _settle(future, fn(), None)
+                except Exception as exc:  # the caller's to answer; the engine thread goes on
+                    _settle(future, None, exc)
             try:
                 command, item = self._commands.get_nowait()
             except queue.Empty:
@@ -283,8 +289,8 @@ class EngineWorker:
             command, item = self._commands.get_nowait()
             if command == "submit":
                 pending.append(item)
-            elif command == "reset_prefixes":
-                item.set()
+            elif command == "call":
+                _settle(item[1], None, shutting_down())
         for ticket in [*self._running.values(), *self._waiting, *pending]:
             if not ticket.done:
                 self._abort(ticket)
@@ -317,6 +323,22 @@ class EngineWorker:
         engine = self.engine
         self.metrics.set_state(len(self._running), len(self._waiting), engine.max_batch - engine.free_slots,
                                engine.max_batch)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Hand a `call`'s outcome to its future, on the future's own event loop."""
+    def settle() -> None:
+        if future.done():  # the caller gave up waiting
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        pass
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
