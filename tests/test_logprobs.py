@@ -171,3 +171,16 @@ def test_prompt_logprobs_are_every_prompt_rows_and_skip_no_reused_prefix(dtype):
     assert together[0].prompt_logprobs is None
     alone = engine(target).generate(twin, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
     assert_same_logprobs(together[1].prompt_logprobs[1:], alone.prompt_logprobs[1:], twin[1:], exact)
+
+
+def test_asking_for_logprobs_changes_no_token():
+    """Scoring draws nothing from a request's generator and moves no row: the same seeded tokens with logprobs
+    as without, plain and speculative."""
+    target, draft = tiny_model(seed=0, vocab=VOCAB), tiny_model(seed=1, vocab=VOCAB)
+    for make in (lambda: engine(target), lambda: engine(target, ModelDrafter(draft, max_len=256), k=4)):
+        for ids in prompts(3, seed=5):
+            params = SamplingParams(temperature=0.8, seed=11, max_tokens=20)
+            bare = make().generate(ids, params)
+            scored = make().generate(ids, SamplingParams(temperature=0.8, seed=11, max_tokens=20, logprobs=3,
+                                                         prompt_logprobs=1))
+            assert scored.token_ids == bare.token_ids and bare.logprobs is None and len(scored.logprobs) == 20
