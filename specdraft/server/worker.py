@@ -9,9 +9,10 @@ client that goes away is `cancel`led: the engine thread releases its slot before
 slot serves the next waiting request at once.
 
 Commands reach the thread through a `queue.Queue` and are applied between rounds only, so the engine is
-never used from two threads and needs no lock. So is its tokenizer: transformers' fast tokenizers reconfigure
-their Rust tokenizer on every encode, and two threads encoding at once can fail ("Already borrowed"); the
-`/tokenize` endpoints `call` the engine thread for it.
+never used from two threads and needs no lock. So is its tokenizer's encoding: a transformers fast tokenizer
+may reconfigure its Rust tokenizer for an encode (truncation, padding), which fails with "Already borrowed"
+while another thread encodes; the `/tokenize` endpoints `call` the engine thread for it (decoding only reads
+the tokenizer, and handlers decode for themselves).
 """
 
 from __future__ import annotations
