@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_cpu_kernels import kernel_model, needs_kernels
 from test_engine import FIXED, OracleDrafter, engine, prompts
 from tiny_models import ToyTokenizer, tiny_model
 
@@ -147,10 +148,9 @@ def test_streamed_chunks_carry_the_logprobs_of_their_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompt_logprobs_are_every_prompt_rows_and_skip_no_reused_prefix(dtype):
+def test_prompt_logprobs_are_every_prompt_rows(dtype):
     """`prompt_logprobs`: None for the first prompt token, then each one's from the prompt's own forward, the
-    same whether the prompt ran alone, beside another of its length in one forward, or after a request that
-    left its cache entries for reuse (reuse would skip the rows those logprobs come from)."""
+    same asked again, and whether the prompt ran alone or beside another of its length in one forward."""
     target = tiny_model(seed=0, vocab=VOCAB, dtype=dtype)
     spec = engine(target, NgramDrafter(), k=3, max_batch=2)
     exact = dtype == torch.bfloat16 and cpu_kernels.available()
@@ -171,6 +171,24 @@ def test_prompt_logprobs_are_every_prompt_rows_and_skip_no_reused_prefix(dtype):
     assert together[0].prompt_logprobs is None
     alone = engine(target).generate(twin, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
     assert_same_logprobs(together[1].prompt_logprobs[1:], alone.prompt_logprobs[1:], twin[1:], exact)
+
+
+@needs_kernels
+def test_a_scored_prompt_reuses_no_cached_prefix():
+    """Where a prompt's start could be copied from a slot (the fused kernels), a prompt asking for its logprobs
+    is computed whole: the copied rows would have no logits."""
+    target = kernel_model("llama")
+    vocab = target.config.vocab_size
+    eng = Engine(target, ToyTokenizer(vocab), None, 0, FIXED, max_model_len=256)
+    prompt = torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=3)
+    eng.generate(prompt, params)
+    assert eng.generate(prompt, params).metrics.prompt_tokens_cached == 19  # reuse is on here
+    scored = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    fresh = Engine(target, ToyTokenizer(vocab), None, 0, FIXED, max_model_len=256).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    assert scored.metrics.prompt_tokens_cached == 0 and len(scored.prompt_logprobs) == 20
+    assert scored.prompt_logprobs == fresh.prompt_logprobs
 
 
 def test_asking_for_logprobs_changes_no_token():
