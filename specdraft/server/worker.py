@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from specdraft.engine.core import Engine, GenerationResult, Request
+from specdraft.engine.core import Engine, GenerationResult, Request, StreamChunk
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.server.metrics import ServerMetrics, SpecSnapshot
 from specdraft.server.protocol import APIError, bad_request
@@ -241,17 +241,16 @@ class EngineWorker:
                 self.metrics.finished(chunk.result.finish_reason)
                 self.metrics.prompt_cache(chunk.result.metrics)
                 self.metrics.e2e.observe(now - ticket.arrived)
-            event = self._chunk_event(ticket, chunk.text, chunk.token_ids, chunk.result, chunk.logprobs)
-            if event is not None and chunk.prompt_logprobs is not None:  # the prompt's chunk: never held back
-                event.prompt_logprobs = chunk.prompt_logprobs
+            event = self._chunk_event(ticket, chunk)
             if event is not None:
                 sends.append((ticket, event))
         self._send_all(sends)
 
-    def _chunk_event(self, ticket: Ticket, text: str, token_ids: list[int], result: GenerationResult | None,
-                     logprobs: list[TokenLogprobs] | None = None) -> Event | None:
+    def _chunk_event(self, ticket: Ticket, chunk: StreamChunk) -> Event | None:
         """A round's event for the ticket's handler, or None: a ticket that does not stream hears only of its
-        result, a stream of every `stream_interval` tokens (its first text at once, the rest with the result)."""
+        result, a stream of every `stream_interval` tokens (its first text at once, the rest with the result;
+        the prompt's chunk, which carries any prompt logprobs, is a first text and never held back)."""
+        text, token_ids, result, logprobs = chunk.text, chunk.token_ids, chunk.result, chunk.logprobs
         if result is None and not ticket.stream:
             return None
         held = bool(ticket.held_ids or ticket.held_text)  # never with an interval of 1
@@ -268,7 +267,8 @@ class EngineWorker:
             ticket.streamed = ticket.streamed or bool(text)
         if held:
             ticket.held_text, ticket.held_ids, ticket.held_logprobs = "", [], []
-        return Event("chunk", text=text, token_ids=token_ids, result=result, logprobs=logprobs)
+        return Event("chunk", text=text, token_ids=token_ids, result=result, logprobs=logprobs,
+                     prompt_logprobs=chunk.prompt_logprobs)
 
     def _abort(self, ticket: Ticket) -> None:
         if ticket.done:
