@@ -1,7 +1,7 @@
 """What logprobs cost on the engine alone: decoding with `logprobs` None / 0 / N (plain and with a drafter), and
 prompt forwards with and without `prompt_logprobs` (every prompt row through the output layer and scored).
-Settings alternate within each pass (the order reversed every other pass); medians of the passes, each
-setting's throughput and its ratio to the one without logprobs.
+Settings take turns within each pass (`bench.interleave`, the measuring loop every benchmark shares); medians of
+the passes, each setting's throughput and its ratio to the one without logprobs.
 
     .venv/bin/python scripts/bench_logprobs.py [--model smollm2-135m] [--dtype auto] [--drafter ngram]
         [--prompts 8] [--max-tokens 64] [--top 5] [--passes 4]
@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from specdraft.bench.interleave import interleaved
 from specdraft.bench.machine import header, header_lines
 from specdraft.bench.suite import load_suite
 from specdraft.config import target_dtype
@@ -22,13 +23,11 @@ from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
 
-def alternated(ways: dict[str, Callable[[], float]], passes: int) -> dict[str, float]:
-    """Each way's median over `passes` (a rate: higher is better), the ways' order reversed every other pass."""
-    rates: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(passes):
-        for name in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
-            rates[name].append(ways[name]())
-    return {name: statistics.median(values) for name, values in rates.items()}
+def alternated(ways: dict[str, Callable[[], float]], passes: int, desc: str) -> dict[str, float]:
+    """Each way's median rate over `passes`, the ways taking turns within each pass."""
+    runs = interleaved([desc], {name: lambda _item, _repeat, way=way: way() for name, way in ways.items()}, passes,
+                       desc)[0]
+    return {name: statistics.median(values) for name, values in runs.items()}
 
 
 def report(title: str, rates: dict[str, float], unit: str) -> None:
@@ -69,7 +68,7 @@ def main() -> None:
             return tokens / (time.perf_counter() - start)
 
         rates = alternated({"none": lambda: decode(None), "logprobs=0": lambda: decode(0),
-                            f"logprobs={args.top}": lambda: decode(args.top)}, args.passes)
+                            f"logprobs={args.top}": lambda: decode(args.top)}, args.passes, drafter or "plain")
         report(f"decoding, {drafter or 'plain'}", rates, "tok/s")
 
     engine = build_engine(target, tokenizer, None, 0)
@@ -82,7 +81,7 @@ def main() -> None:
         return sum(map(len, prompts)) / (time.perf_counter() - start)
 
     rates = alternated({"first token only": lambda: prefill(None), "prompt_logprobs=1": lambda: prefill(1)},
-                       args.passes)
+                       args.passes, "prompt forwards")
     report("prompt forwards", rates, "prompt tok/s")
 
 
