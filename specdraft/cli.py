@@ -20,7 +20,8 @@ RESET = "\033[0m"
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or (),
-                          logprobs=args.logprobs)
+                          logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
 
 
 def _build_llm(args: argparse.Namespace):
@@ -176,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="HF's: divide (or multiply, if negative) the logits of tokens already in the prompt or "
+                          "output (1: none)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's: subtract this times a token's count in the output (-2 to 2)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's: subtract this from tokens already in the output (-2 to 2)")
     gen.add_argument("--logprobs", type=arg_int_in(0, MAX_LOGPROBS), default=None, metavar="N",
                      help="after the text, each token's log-probability under the target and its N most likely "
                           "alternatives (on stderr)")

@@ -18,6 +18,8 @@ from specdraft.runtime import cpu_kernels
     (["generate", "hi", "--model", "/no/such/model"], "not found"),
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--draft", "quant:int3"], "int4 or int8"),
     (["generate", "hi", "--speculative-model", "quant:int3"], "int4 or int8"),
@@ -109,7 +111,7 @@ def test_config_rejects_unknown_keys(tmp_path, capsys):
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-2), dict(min_p=2.0),
                                     dict(max_tokens=0), dict(seed="x"), dict(stop=[""]), dict(logprobs=-1),
-                                    dict(logprobs=21)])
+                                    dict(logprobs=21), dict(repetition_penalty=0), dict(frequency_penalty=-2.1)])
 def test_nonsense_sampling_parameters(kwargs):
     with pytest.raises(InvalidParameterError):
         SamplingParams(**kwargs)
@@ -146,6 +148,13 @@ def test_llm_api_end_to_end_and_bad_requests(tmp_path):
     assert [g[0][0] for g in got] == [w[0][0] for w in want]
     if cpu_kernels.available():  # row-invariant kernels: the same bits
         assert scored_request.metrics.accepted > 0 and got == want
+    # Penalties: speculation (ngram trees here) gives what plain decoding gives with them.
+    repeated = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.1, presence_penalty=0.1)
+    penalized = llm.chat(messages, repeated)[0]
+    assert penalized.outputs[0].token_ids != out.outputs[0].token_ids and penalized.metrics.drafted > 0
+    alone = plain.generate(out.prompt_token_ids, repeated).token_ids
+    if cpu_kernels.available():
+        assert penalized.outputs[0].token_ids == alone
     prompt = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     assert prompt.prompt_logprobs[0] is None and len(prompt.prompt_logprobs) == len(prompt.prompt_token_ids)
     for token, entries in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:], strict=True):

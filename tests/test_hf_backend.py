@@ -5,6 +5,8 @@ keeps only a tree's accepted path."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_engine import FIXED, VOCAB, OracleDrafter, broken_residual_verify, exact_joint, matches, prompts, sample_joint
@@ -99,6 +101,31 @@ def test_plain_decoding_is_transformers_own_greedy(hf_target):
     for ids in prompts(3):
         assert plain.generate(ids, SamplingParams(temperature=0, max_tokens=20)).token_ids == \
             hf_greedy(hf_target, ids, 20)
+
+
+def test_penalties_are_transformers_own_and_speculation_keeps_them(hf_target):
+    """HF's `repetition_penalty` in its own `generate` is the reference for plain decoding; drafts change
+    nothing, chains and trees: the penalized tokens themselves (every row after the first follows accepted
+    drafts, each penalized for them) and the unpenalized ones (right wherever the penalty leaves the argmax
+    alone)."""
+    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.6)
+    plain = engine(hf_target)
+    changed = accepted = 0
+    for ids in prompts(3, seed=3):
+        expected = plain.generate(ids, params).token_ids
+        # No end-of-sequence token (the tiny OPT's is 0, which `min_new_tokens` would rule out): 20 tokens;
+        # every prompt token attended to (a 0 in it would otherwise be taken for padding).
+        out = hf_target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                       repetition_penalty=1.6)
+        assert expected == out[0, len(ids):].tolist()
+        unpenalized = hf_greedy(hf_target, ids, 20)
+        changed += expected != unpenalized
+        for tree, drafts in itertools.product((0, 6), (expected, unpenalized)):
+            result = engine(hf_target, OracleDrafter(len(ids), drafts), k=4, tree=tree).generate(ids, params)
+            assert result.token_ids == expected, (tree, ids, drafts)
+            accepted += result.metrics.accepted
+    assert changed and accepted, "the penalty changed no output, or no draft was accepted: this proves nothing"
 
 
 def make(drafter: str, prompt_len: int, expected: list[int]):

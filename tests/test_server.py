@@ -211,6 +211,23 @@ def test_stop_strings_and_seeded_sampling(server):
     assert oa.completions.create(**args).choices[0].text == oa.completions.create(**args).choices[0].text
 
 
+def test_penalties_through_the_openai_client_are_the_engine_alones(server, target, tokenizer):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty (an extra field), streamed or
+    not: the tokens plain decoding with those penalties gives alone."""
+    url, _ = server
+    oa = client(url)
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    ids = tokenizer.encode("abcabcabc")
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.4, **penalties)
+    expected = make_engine(target, tokenizer, max_batch=1, drafter=False).generate(ids, params).text
+    assert expected != reference(target, tokenizer, ids, 24)  # the penalties change this output
+    args = dict(model=NAME, prompt="abcabcabc", max_tokens=24, temperature=0, **penalties,
+                extra_body={"repetition_penalty": 1.4})
+    assert_greedy(oa.completions.create(**args).choices[0].text, expected)
+    streamed = "".join(c.choices[0].text for c in oa.completions.create(**args, stream=True) if c.choices)
+    assert_greedy(streamed, expected)
+
+
 def test_logprobs_through_the_openai_client_are_the_engine_alones_streamed_or_not(server, target, tokenizer):
     """Chat's `logprobs` / `top_logprobs` and the completions API's `logprobs`: each token's entry is what plain
     decoding alone reports (the server drafts with ngram), the same streamed as not, in OpenAI's shapes."""
@@ -400,7 +417,9 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (CHAT, chat(top_p=1.5), "top_p"), (CHAT, chat(top_k=-2), "top_k"), (CHAT, chat(min_p=2), "min_p"),
         (CHAT, chat(max_tokens=0), "max_tokens"), (CHAT, chat(max_tokens=-5), "max_tokens"),
         (CHAT, chat(seed=-1), "seed"), (CHAT, chat(seed=2**70), "seed"), (CHAT, chat(n=2), "n=2"),
-        (CHAT, chat(presence_penalty=1.0), "presence_penalty"), (CHAT, chat(top_logprobs=2), "logprobs=true"),
+        (CHAT, chat(presence_penalty=2.5), "presence_penalty"), (CHAT, chat(top_logprobs=2), "logprobs=true"),
+        (CHAT, chat(frequency_penalty="1"), "frequency_penalty"),
+        (COMPLETIONS, comp(repetition_penalty=0), "repetition_penalty"),
         (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"), (CHAT, chat(logprobs=1), "logprobs"),
         (COMPLETIONS, comp(logprobs=-1), "logprobs"), (COMPLETIONS, comp(logprobs=True), "logprobs"),
         (CHAT, chat(max_tokens=10**9), "context"), (CHAT, chat(max_tokens=10**30), "context"),

@@ -57,6 +57,7 @@ from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
 from specdraft.verify.greedy import argmax, common_prefix, for_reduction, topk_indices
 from specdraft.verify.logprobs import TokenLogprobs, position_logprobs
+from specdraft.verify.penalties import node_paths, penalize_rows
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -352,7 +353,8 @@ class Engine:
             else:
                 self._cached_tokens.pop(r.slot, None)
         chunks = {}
-        firsts, _ = sample_rows(logits[:, -1], [r.params for r in requests], [r.generator for r in requests])
+        last = _penalized(logits[:, -1:], requests, [Proposal([])] * len(requests))[:, 0]
+        firsts, _ = sample_rows(last, [r.params for r in requests], [r.generator for r in requests])
         for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
             self.cache.commit(r.slot, length)
             r.metrics.prefill_time = prefill_time
@@ -430,8 +432,9 @@ class Engine:
         starts = [self.cache.length(r.slot) for r in requests]
         positions, tree_mask = _tree_layout(proposals, starts, width)
         t1 = time.perf_counter()
-        logits, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
-                                                       [1 + len(p) for p in proposals])
+        raw, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
+                                                    [1 + len(p) for p in proposals])
+        logits = _penalized(raw, requests, proposals)
         greedy = [r.params.greedy for r in requests]
         target_argmax = _target_argmax(logits) if any(greedy) else None  # all that greedy rows read
         if not all(greedy):
@@ -462,7 +465,7 @@ class Engine:
             logprobs = None
             if r.logprobs is not None:  # token i was chosen from the row of the node before it on the path
                 chosen_from = [0, *(1 + node for node in path)][:len(emitted[b])]
-                logprobs = position_logprobs(logits[b, chosen_from], emitted[b], r.params.logprobs)
+                logprobs = position_logprobs(raw[b, chosen_from], emitted[b], r.params.logprobs)
             chunks[r.id] = self._accept(r, proposal, len(path), emitted[b], draft_time if budgets[b][0] else 0.0,
                                         verify_time, budgets[b][2], logprobs)
             if r.drafting and not r.finished:
@@ -614,6 +617,22 @@ def _cut_budget(budget: tuple[int, int, int | None], depth: int) -> tuple[int, i
     if depth == 0:
         return 0, 0, None
     return depth, max(depth, nodes * depth // wanted), shape
+
+
+def _penalized(logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]) -> torch.Tensor:
+    """A verification block's logits [B, T, V] (row 0 the pending token's, then the proposal's nodes) with the
+    rows of each request that asks for penalties penalized for the tokens generated before them, its draft
+    path included (verify/penalties.py): a new fp32 tensor; the same one where no request asks."""
+    asking = [b for b, r in enumerate(requests) if r.params.penalized]
+    if not asking:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    for b in asking:
+        r, proposal, p = requests[b], proposals[b], requests[b].params
+        paths = [[proposal.tokens[node] for node in path] for path in node_paths(proposal.parents)]
+        out[b, :len(paths)] = penalize_rows(out[b, :len(paths)], r.prompt_ids, r.context[len(r.prompt_ids):],
+                                            paths, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    return out
 
 
 def _target_argmax(logits: torch.Tensor) -> torch.Tensor:

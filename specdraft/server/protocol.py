@@ -2,8 +2,8 @@
 
 Schemas are strict (`"0.5"` is not a number, `true` is not an integer) and closed (an unknown field is an
 error): a misspelt `max_token` that silently fell back to a default would be a worse bug than a 400. Fields
-of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`,
-`presence_penalty=0`, no `suffix`) and refused otherwise, with a message saying so.
+of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`, no
+`suffix`) and refused otherwise, with a message saying so.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ChatMessage(Strict):
 
 
 class _Generation(Strict):
-    """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k, min_p and ignore_eos)."""
+    """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty and ignore_eos)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -75,8 +75,9 @@ class _Generation(Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -85,9 +86,6 @@ class _Generation(Strict):
         if self.n != 1:
             out.append(("n", f"n={self.n} is not supported: this server returns one choice per request "
                              "(send several requests instead)"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                out.append((name, f"{name} is not supported (only 0)"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         return out
@@ -247,7 +245,8 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "function")))
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty")
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int | None
@@ -263,7 +262,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_
             min_p=0.0 if request.min_p is None else request.min_p,
             seed=request.seed, max_tokens=budget if budget is not None else (default_max_tokens or 1),
             stop=request.stop or (), ignore_eos=request.ignore_eos, logprobs=request.logprob_count(),
-            prompt_logprobs=request.prompt_logprob_count())
+            prompt_logprobs=request.prompt_logprob_count(),
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0)
     except InvalidParameterError as exc:
         message = str(exc)
         param = next((f for f in SAMPLING_FIELDS if message.startswith(f) or message.startswith(f + " ")), None)

@@ -28,6 +28,9 @@ class SamplingParams:
     each generated token's log-probability and that many most likely alternatives (0: the token's own only;
     None: nothing), from the target's raw distribution (verify/logprobs.py); `prompt_logprobs` the same for
     every prompt token after the first (the prompt's forward then computes logits for all its rows).
+    `repetition_penalty` (1: none; over the prompt's and the output's tokens), `frequency_penalty` and
+    `presence_penalty` (0: none; over the output's) change the target's distribution before everything
+    else, as vLLM's do (verify/penalties.py); logprobs stay the raw distribution's.
     """
 
     temperature: float = 1.0
@@ -40,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +71,12 @@ class SamplingParams:
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
             (_logprob_count(self.prompt_logprobs),
              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"),
+            (_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}"),
+            (_number(self.frequency_penalty) and abs(self.frequency_penalty) <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -73,6 +85,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the target's distribution."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _logprob_count(value: object) -> bool:
