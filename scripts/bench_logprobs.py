@@ -10,30 +10,15 @@ the passes, each setting's throughput and its ratio to the one without logprobs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from collections.abc import Callable
 
-from specdraft.bench.interleave import interleaved
+from specdraft.bench.interleave import alternated_medians, print_rates
 from specdraft.bench.machine import header, header_lines
 from specdraft.bench.suite import load_suite
 from specdraft.config import target_dtype
 from specdraft.engine.core import build_engine
 from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
-
-
-def alternated(ways: dict[str, Callable[[], float]], passes: int, desc: str) -> dict[str, float]:
-    """Each way's median rate over `passes`, the ways taking turns within each pass."""
-    runs = interleaved([desc], {name: lambda _item, _repeat, way=way: way() for name, way in ways.items()}, passes,
-                       desc)[0]
-    return {name: statistics.median(values) for name, values in runs.items()}
-
-
-def report(title: str, rates: dict[str, float], unit: str) -> None:
-    base = next(iter(rates.values()))
-    print(title + ": " + ", ".join(f"{name} {rate:.1f} {unit} ({rate / base:.3f}x)" for name, rate in rates.items()),
-          flush=True)
 
 
 def main() -> None:
@@ -67,9 +52,9 @@ def main() -> None:
                 tokens += len(engine.generate(ids, params).token_ids)
             return tokens / (time.perf_counter() - start)
 
-        rates = alternated({"none": lambda: decode(None), "logprobs=0": lambda: decode(0),
+        rates = alternated_medians({"none": lambda: decode(None), "logprobs=0": lambda: decode(0),
                             f"logprobs={args.top}": lambda: decode(args.top)}, args.passes, drafter or "plain")
-        report(f"decoding, {drafter or 'plain'}", rates, "tok/s")
+        print_rates(f"decoding, {drafter or 'plain'}", rates, "tok/s")
 
     engine = build_engine(target, tokenizer, None, 0)
 
@@ -80,9 +65,9 @@ def main() -> None:
             engine.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=prompt_logprobs))
         return sum(map(len, prompts)) / (time.perf_counter() - start)
 
-    rates = alternated({"first token only": lambda: prefill(None), "prompt_logprobs=1": lambda: prefill(1)},
+    rates = alternated_medians({"first token only": lambda: prefill(None), "prompt_logprobs=1": lambda: prefill(1)},
                        args.passes, "prompt forwards")
-    report("prompt forwards", rates, "prompt tok/s")
+    print_rates("prompt forwards", rates, "prompt tok/s")
 
 
 if __name__ == "__main__":

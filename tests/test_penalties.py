@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.engine import core
 from specdraft.engine.core import Engine
-from specdraft.verify.penalties import node_paths, penalize_rows
+from specdraft.verify.penalties import node_paths, penalize_rows_
 from specdraft.verify.sampling import InvalidParameterError, SamplingParams, logits_to_probs
 from specdraft.verify.tree import ROOT
 
@@ -47,25 +47,35 @@ def test_node_paths_follow_each_node_back_to_the_root():
     assert node_paths([ROOT, ROOT, 0, 1, 0]) == [[], [0], [1], [0, 2], [1, 3], [0, 4]]
 
 
+def penalized_copy(logits: torch.Tensor, prompt, generated, rows, **penalties) -> torch.Tensor:
+    out = logits.to(torch.float32, copy=True)
+    penalize_rows_(out, prompt, generated, rows, **penalties)
+    return out
+
+
 @pytest.mark.parametrize("setting", list(PENALTIES))
 def test_each_row_is_penalized_for_what_precedes_it(setting):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 30, generator=g) * 3
+    logits = torch.randn(4, 30, generator=g).to(torch.bfloat16)
     prompt, generated = [1, 2, 2, 9], [5, 2, 5]
     rows = [[], [7], [7, 5], [11]]
-    got = penalize_rows(logits.to(torch.bfloat16), prompt, generated, rows, **_args(setting))
-    assert got.dtype == torch.float32
+    got = penalized_copy(logits, prompt, generated, rows, **_args(setting))
     for r, before in enumerate(rows):
-        expected = reference_penalty(logits[r].to(torch.bfloat16), prompt, generated + before, **_args(setting))
+        expected = reference_penalty(logits[r], prompt, generated + before, **_args(setting))
         assert torch.allclose(got[r], expected, atol=1e-5), f"row {r}"
-    assert not torch.allclose(got, logits.to(torch.bfloat16).float())  # the test sees a change
+    assert not torch.allclose(got, logits.float())  # the test sees a change
+    # A prompt's first token (nothing generated yet): only the repetition penalty acts, on the prompt's tokens.
+    first = penalized_copy(logits[:1], prompt, [], [[]], **_args(setting))
+    assert torch.allclose(first[0], reference_penalty(logits[0], prompt, [], **_args(setting)), atol=1e-5)
 
 
-def test_neutral_penalties_leave_the_logits_alone():
+def test_neutral_penalties_leave_the_logits_alone_and_other_dtypes_are_refused():
     logits = torch.randn(2, 10)
-    assert penalize_rows(logits, [1], [2, 3], [[], [4]]) is logits
+    assert torch.equal(penalized_copy(logits, [1], [2, 3], [[], [4]]), logits)
     with pytest.raises(ValueError, match="one row each"):
-        penalize_rows(logits, [1], [2], [[]], repetition=1.2)
+        penalize_rows_(logits, [1], [2], [[]], repetition=1.2)
+    with pytest.raises(ValueError, match="fp32"):
+        penalize_rows_(logits.to(torch.bfloat16), [1], [2], [[], []], repetition=1.2)
 
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 0), ("repetition_penalty", -1.0),
@@ -171,10 +181,11 @@ BATCH = 64
 def exact_penalized_joint_2_3(model, params: SamplingParams) -> torch.Tensor:
     """P(second and third tokens) under plain sampling with penalties, exactly: [VOCAB * VOCAB]."""
     def probs(sequences: list[list[int]]) -> torch.Tensor:
-        logits = model(torch.tensor(sequences), model.new_cache(16, num_slots=len(sequences)))[:, -1]
-        rows = [penalize_rows(logits[i:i + 1], PROMPT, s[len(PROMPT):], [[]], params.repetition_penalty,
-                              params.frequency_penalty, params.presence_penalty) for i, s in enumerate(sequences)]
-        return logits_to_probs(torch.cat(rows), params)
+        logits = model(torch.tensor(sequences), model.new_cache(16, num_slots=len(sequences)))[:, -1].clone()
+        for i, sequence in enumerate(sequences):
+            penalize_rows_(logits[i:i + 1], PROMPT, sequence[len(PROMPT):], [[]], params.repetition_penalty,
+                           params.frequency_penalty, params.presence_penalty)
+        return logits_to_probs(logits, params)
 
     first = probs([PROMPT])[0]
     second = probs([PROMPT + [t] for t in range(VOCAB)])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -34,3 +35,17 @@ def interleaved(items: Sequence[Item], methods: Mapping[str, Callable[[Item, int
     finally:
         bar.close()
     return out
+
+
+def alternated_medians(ways: Mapping[str, Callable[[], float]], passes: int, desc: str) -> dict[str, float]:
+    """Each way's median result (a rate) over `passes`, the ways taking turns within each pass."""
+    runs = interleaved([desc], {name: lambda _item, _repeat, way=way: way() for name, way in ways.items()}, passes,
+                       desc)[0]
+    return {name: statistics.median(values) for name, values in runs.items()}
+
+
+def print_rates(title: str, rates: Mapping[str, float], unit: str) -> None:
+    """One line: each rate and its ratio to the first."""
+    base = next(iter(rates.values()))
+    print(title + ": " + ", ".join(f"{name} {rate:.1f} {unit} ({rate / base:.3f}x)" for name, rate in rates.items()),
+          flush=True)

@@ -57,7 +57,7 @@ from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.verify.batch import verify_batch
 from specdraft.verify.greedy import argmax, common_prefix, for_reduction, topk_indices
 from specdraft.verify.logprobs import TokenLogprobs, position_logprobs
-from specdraft.verify.penalties import node_paths, penalize_rows
+from specdraft.verify.penalties import node_paths, penalize_rows_
 from specdraft.verify.sampling import SamplingParams, sample_rows
 from specdraft.verify.tree import tree_attention_mask
 
@@ -630,8 +630,8 @@ def _penalized(logits: torch.Tensor, requests: Sequence[Request], proposals: Seq
     for b in asking:
         r, proposal, p = requests[b], proposals[b], requests[b].params
         paths = [[proposal.tokens[node] for node in path] for path in node_paths(proposal.parents)]
-        out[b, :len(paths)] = penalize_rows(out[b, :len(paths)], r.prompt_ids, r.context[len(r.prompt_ids):],
-                                            paths, p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+        penalize_rows_(out[b, :len(paths)], r.prompt_ids, r.context[len(r.prompt_ids):], paths,
+                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdraft.verify.tree import ROOT
@@ -30,31 +31,40 @@ def node_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
-def penalize_rows(logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int],
-                  row_tokens: Sequence[Sequence[int]], repetition: float = 1.0, frequency: float = 0.0,
-                  presence: float = 0.0) -> torch.Tensor:
-    """`logits` [R, V] with penalties applied (a new fp32 tensor): row r follows `generated` and then
+def penalize_rows_(logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int],
+                   row_tokens: Sequence[Sequence[int]], repetition: float = 1.0, frequency: float = 0.0,
+                   presence: float = 0.0) -> None:
+    """Apply the penalties to fp32 CPU `logits` [R, V] in place: row r follows `generated` and then
     `row_tokens[r]` (the draft tokens before it, see `node_paths`); the repetition penalty also counts the
-    `prompt`'s tokens. Nothing to do (every penalty neutral) returns the logits as they are."""
-    if logits.dim() != 2 or logits.shape[0] != len(row_tokens):
-        raise ValueError(f"logits {tuple(logits.shape)} for {len(row_tokens)} rows: want one row each")
-    if repetition == 1.0 and frequency == 0.0 and presence == 0.0:
-        return logits
-    rows, vocab = logits.shape
-    counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=vocab)[:vocab]
-    counts = counts.to(torch.float32).expand(rows, vocab).clone()
-    extra = [(r, token) for r, tokens in enumerate(row_tokens) for token in tokens]
-    if extra:
-        at = torch.tensor(extra, dtype=torch.long)
-        counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(extra)), accumulate=True)
-    out = logits.to(torch.float32, copy=True)
+    `prompt`'s tokens. Only the columns of tokens that occur are read and written (a few hundred of tens of
+    thousands), in NumPy on a view of the tensor: a dozen small operations each round, where torch's own
+    overhead per call (5-50 us just after a forward) came to 0.3 ms a decoded token."""
+    if logits.dim() != 2 or logits.shape[0] != len(row_tokens) or logits.dtype != torch.float32 \
+            or logits.device.type != "cpu":
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype} on {logits.device} for {len(row_tokens)} "
+                         "rows: want fp32 on the CPU, one row each")
+    drafted = [token for tokens in row_tokens for token in tokens]
+    in_prompt = prompt if repetition != 1.0 else ()
+    if not (generated or drafted or in_prompt) or (repetition == 1.0 and frequency == 0.0 and presence == 0.0):
+        return
+    n_generated, n_drafted = len(generated), len(drafted)
+    columns, column_of = np.unique(np.array([*generated, *drafted, *in_prompt], dtype=np.int64),
+                                   return_inverse=True)
+    # counts[r, j]: occurrences of token columns[j] in the output before row r's prediction.
+    counts = np.repeat(np.bincount(column_of[:n_generated], minlength=len(columns))[None].astype(np.float32),
+                       len(row_tokens), axis=0)
+    if drafted:
+        row_of = [r for r, tokens in enumerate(row_tokens) for _ in tokens]
+        np.add.at(counts, (row_of, column_of[n_generated:n_generated + n_drafted]), 1.0)
+    rows = logits.numpy()  # a view: writing it writes the tensor
+    picked = rows[:, columns]
     if repetition != 1.0:
         seen = counts > 0
-        if prompt:
-            seen[:, torch.tensor(list(prompt), dtype=torch.long)] = True
-        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+        seen[:, column_of[n_generated + n_drafted:]] = True
+        picked = np.where(seen, np.where(picked > 0, picked / np.float32(repetition),
+                                         picked * np.float32(repetition)), picked)
     if frequency != 0.0:
-        out -= frequency * counts
+        picked -= np.float32(frequency) * counts
     if presence != 0.0:
-        out -= presence * (counts > 0).float()
-    return out
+        picked -= np.float32(presence) * (counts > 0)
+    rows[:, columns] = picked
