@@ -213,7 +213,7 @@ def test_stop_strings_and_seeded_sampling(server):
 
 def test_penalties_through_the_openai_client_are_the_engine_alones(server, target, tokenizer):
     """OpenAI's presence and frequency penalties and vLLM's repetition_penalty (an extra field), streamed or
-    not: the tokens plain decoding with those penalties gives alone."""
+    not, then OpenAI's logit_bias: the tokens plain decoding with them gives alone."""
     url, _ = server
     oa = client(url)
     penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
@@ -226,6 +226,14 @@ def test_penalties_through_the_openai_client_are_the_engine_alones(server, targe
     assert_greedy(oa.completions.create(**args).choices[0].text, expected)
     streamed = "".join(c.choices[0].text for c in oa.completions.create(**args, stream=True) if c.choices)
     assert_greedy(streamed, expected)
+    banned = make_engine(target, tokenizer, max_batch=1, drafter=False).generate(
+        ids, SamplingParams(temperature=0, max_tokens=24)).token_ids[0]
+    biased = SamplingParams(temperature=0, max_tokens=24, logit_bias={banned: -100.0, 7: 3.0})
+    expected = make_engine(target, tokenizer, max_batch=1, drafter=False).generate(ids, biased)
+    assert expected.token_ids[0] != banned
+    got = oa.completions.create(model=NAME, prompt="abcabcabc", max_tokens=24, temperature=0,
+                                logit_bias={str(banned): -100, "7": 3})
+    assert_greedy(got.choices[0].text, expected.text)
 
 
 def test_logprobs_through_the_openai_client_are_the_engine_alones_streamed_or_not(server, target, tokenizer):
@@ -420,6 +428,8 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (CHAT, chat(presence_penalty=2.5), "presence_penalty"), (CHAT, chat(top_logprobs=2), "logprobs=true"),
         (CHAT, chat(frequency_penalty="1"), "frequency_penalty"),
         (COMPLETIONS, comp(repetition_penalty=0), "repetition_penalty"),
+        (COMPLETIONS, comp(logit_bias={"x": 1}), "logit_bias keys"), (CHAT, chat(logit_bias={"1": 101}), "logit_bias"),
+        (CHAT, chat(logit_bias={str(VOCAB): 1}), f"[0, {VOCAB})"), (CHAT, chat(logit_bias=[1]), "logit_bias"),
         (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"), (CHAT, chat(logprobs=1), "logprobs"),
         (COMPLETIONS, comp(logprobs=-1), "logprobs"), (COMPLETIONS, comp(logprobs=True), "logprobs"),
         (CHAT, chat(max_tokens=10**9), "context"), (CHAT, chat(max_tokens=10**30), "context"),

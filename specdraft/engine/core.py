@@ -49,7 +49,7 @@ from specdraft.engine.adaptive import (
 )
 from specdraft.engine.metrics import SpecMetrics
 from specdraft.engine.stopping import OutputAssembler
-from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.errors import ContextOverflowError, InvalidParameterError, SpecdraftError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.fused import SMALL_BATCH_ROWS
 from specdraft.runtime.model import Transformer
@@ -187,6 +187,8 @@ class Engine:
             raise SpecdraftError("prompt token ids must be integers")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise SpecdraftError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ContextOverflowError(
@@ -353,7 +355,7 @@ class Engine:
             else:
                 self._cached_tokens.pop(r.slot, None)
         chunks = {}
-        last = _penalized(logits[:, -1:], requests, [Proposal([])] * len(requests))[:, 0]
+        last = _adjusted(logits[:, -1:], requests, [Proposal([])] * len(requests))[:, 0]
         firsts, _ = sample_rows(last, [r.params for r in requests], [r.generator for r in requests])
         for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
             self.cache.commit(r.slot, length)
@@ -434,7 +436,7 @@ class Engine:
         t1 = time.perf_counter()
         raw, final, captured, capture = self._score(rows, requests, 0, hidden_layers, positions, tree_mask,
                                                     [1 + len(p) for p in proposals])
-        logits = _penalized(raw, requests, proposals)
+        logits = _adjusted(raw, requests, proposals)
         greedy = [r.params.greedy for r in requests]
         target_argmax = _target_argmax(logits) if any(greedy) else None  # all that greedy rows read
         if not all(greedy):
@@ -619,11 +621,12 @@ def _cut_budget(budget: tuple[int, int, int | None], depth: int) -> tuple[int, i
     return depth, max(depth, nodes * depth // wanted), shape
 
 
-def _penalized(logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]) -> torch.Tensor:
+def _adjusted(logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]) -> torch.Tensor:
     """A verification block's logits [B, T, V] (row 0 the pending token's, then the proposal's nodes) with the
-    rows of each request that asks for penalties penalized for the tokens generated before them, its draft
-    path included (verify/penalties.py): a new fp32 tensor; the same one where no request asks."""
-    asking = [b for b, r in enumerate(requests) if r.params.penalized]
+    rows of each request that asks for a logit bias or penalties adjusted, each row penalized for the tokens
+    generated before it, its draft path included (verify/penalties.py): a new fp32 tensor; the same one where
+    no request asks."""
+    asking = [b for b, r in enumerate(requests) if r.params.adjusts_logits]
     if not asking:
         return logits
     out = logits.to(torch.float32, copy=True)
@@ -631,7 +634,7 @@ def _penalized(logits: torch.Tensor, requests: Sequence[Request], proposals: Seq
         r, proposal, p = requests[b], proposals[b], requests[b].params
         paths = [[proposal.tokens[node] for node in path] for path in node_paths(proposal.parents)]
         penalize_rows_(out[b, :len(paths)], r.prompt_ids, r.context[len(r.prompt_ids):], paths,
-                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.logit_bias)
     return out
 
 

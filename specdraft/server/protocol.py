@@ -78,6 +78,7 @@ class _Generation(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=300)] | None = None  # OpenAI's limit: 300 tokens
     ignore_eos: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -86,6 +87,8 @@ class _Generation(Strict):
         if self.n != 1:
             out.append(("n", f"n={self.n} is not supported: this server returns one choice per request "
                              "(send several requests instead)"))
+        if self.logit_bias and not all(key.isascii() and key.isdigit() for key in self.logit_bias):
+            out.append(("logit_bias", "logit_bias keys must be token ids (strings of digits)"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         return out
@@ -246,7 +249,12 @@ def _is_union_tag(part: Any) -> bool:
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty")
+                   "frequency_penalty", "presence_penalty", "logit_bias")
+
+
+def sampling_field(message: str) -> str | None:
+    """The request field an `InvalidParameterError`'s message is about (it starts with the field's name)."""
+    return next((f for f in SAMPLING_FIELDS if message.startswith(f)), None)
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int | None
@@ -264,10 +272,11 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_
             stop=request.stop or (), ignore_eos=request.ignore_eos, logprobs=request.logprob_count(),
             prompt_logprobs=request.prompt_logprob_count(),
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0)
+            frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
+            logit_bias={int(token): bias for token, bias in request.logit_bias.items()} if request.logit_bias else None)
     except InvalidParameterError as exc:
         message = str(exc)
-        param = next((f for f in SAMPLING_FIELDS if message.startswith(f) or message.startswith(f + " ")), None)
+        param = sampling_field(message)
         if param == "max_tokens" and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens:
             param, message = "max_completion_tokens", message.replace("max_tokens", "max_completion_tokens", 1)
         raise bad_request(message, param) from None

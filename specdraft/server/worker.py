@@ -28,9 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from specdraft.engine.core import Engine, GenerationResult, Request, StreamChunk
-from specdraft.errors import ContextOverflowError, SpecdraftError
+from specdraft.errors import ContextOverflowError, InvalidParameterError, SpecdraftError
 from specdraft.server.metrics import ServerMetrics, SpecSnapshot
-from specdraft.server.protocol import APIError, bad_request
+from specdraft.server.protocol import APIError, bad_request, sampling_field
 from specdraft.verify.logprobs import TokenLogprobs
 from specdraft.verify.sampling import SamplingParams
 
@@ -194,6 +194,10 @@ class EngineWorker:
             prompt_field = "messages" if ticket.chat else "prompt"
             self._fail(ticket, bad_request(str(exc), prompt_field if ticket.max_tokens_default else "max_tokens",
                                            "context_length_exceeded"))
+            return
+        except InvalidParameterError as exc:  # one only the model can check (logit_bias's token ids)
+            param = sampling_field(str(exc)) or ("messages" if ticket.chat else "prompt")
+            self._fail(ticket, bad_request(str(exc), param))
             return
         except SpecdraftError as exc:
             self._fail(ticket, bad_request(str(exc), "messages" if ticket.chat else "prompt"))

@@ -8,7 +8,7 @@ That is why this is the only place where logits become probabilities.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ class SamplingParams:
     each generated token's log-probability and that many most likely alternatives (0: the token's own only;
     None: nothing), from the target's raw distribution (verify/logprobs.py); `prompt_logprobs` the same for
     every prompt token after the first (the prompt's forward then computes logits for all its rows).
+    `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's: added to those logits), then
     `repetition_penalty` (1: none; over the prompt's and the output's tokens), `frequency_penalty` and
     `presence_penalty` (0: none; over the output's) change the target's distribution before everything
     else, as vLLM's do (verify/penalties.py); logprobs stay the raw distribution's.
@@ -46,8 +47,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -77,6 +81,10 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
             (_number(self.presence_penalty) and abs(self.presence_penalty) <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0 and _number(v) and abs(v) <= 100
+                for k, v in self.logit_bias.items())),
+             "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -87,9 +95,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        """Whether any penalty changes the target's distribution."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty changes the target's distribution."""
+        return (self.logit_bias is not None or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
 
 def _number(value: object) -> bool:
