@@ -11,8 +11,10 @@ from test_cpu_kernels import kernel_model, needs_kernels
 from test_engine import FIXED, OracleDrafter, engine, prompts
 from tiny_models import ToyTokenizer, tiny_model
 
+from specdraft.drafters.base import Proposal
 from specdraft.drafters.draft_model import ModelDrafter
 from specdraft.drafters.ngram import NgramDrafter
+from specdraft.engine import core
 from specdraft.engine.core import Engine
 from specdraft.runtime import cpu_kernels
 from specdraft.verify.logprobs import MAX_LOGPROBS, TokenLogprobs, position_logprobs
@@ -189,6 +191,52 @@ def test_a_scored_prompt_reuses_no_cached_prefix():
         prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
     assert scored.metrics.prompt_tokens_cached == 0 and len(scored.prompt_logprobs) == 20
     assert scored.prompt_logprobs == fresh.prompt_logprobs
+
+
+class HiddenSpy(OracleDrafter):
+    """Proposes nothing; keeps the target's prompt hidden states it is given (final-normed and layer 1)."""
+
+    hidden_layers = (-1, 1)
+
+    def __init__(self) -> None:
+        super().__init__(0, [])
+        self.prompt_hidden: dict[int, torch.Tensor] = {}
+
+    def add_request(self, request) -> None:
+        self.prompt_hidden = request.prompt_hidden
+
+    def propose(self, request_ids, contexts, max_ks, max_nodes=None):
+        return [Proposal([]) for _ in request_ids]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_scored_prompt_goes_through_the_output_layer_in_blocks(dtype, monkeypatch):
+    """With PROMPT_LOGITS_BYTES this small a block is one prefill chunk (128 rows): a 200-token prompt's
+    logprobs, first tokens and the drafter's hidden states are those of one forward (bit for bit on the fused
+    kernels, which run a prompt in those chunks anyway), and no forward computes more than 128 rows' logits."""
+    target = tiny_model(seed=0, vocab=VOCAB, dtype=dtype)
+    exact = dtype == torch.bfloat16 and cpu_kernels.available()
+    prompt = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3, logprobs=1)
+    whole_spy = HiddenSpy()
+    whole = engine(target, whole_spy, k=2, max_len=256).generate(prompt, params)
+    monkeypatch.setattr(core, "PROMPT_LOGITS_BYTES", 1)
+    spy = HiddenSpy()
+    blocked = engine(target, spy, k=2, max_len=256)
+    widths = []
+    score = blocked._score
+    blocked._score = lambda rows, *args, **kwargs: widths.append(len(rows[0])) or score(rows, *args, **kwargs)
+    got = blocked.generate(prompt, params)
+    assert widths[:2] == [128, 72] and max(widths) == 128
+    assert got.token_ids == whole.token_ids and len(got.prompt_logprobs) == 200
+    assert got.prompt_logprobs[0] is None
+    assert_same_logprobs(got.prompt_logprobs[1:], whole.prompt_logprobs[1:], prompt[1:], exact)
+    assert_same_logprobs(got.logprobs, whole.logprobs, got.token_ids, exact)
+    assert set(spy.prompt_hidden) == {-1, 1}
+    for layer, states in whole_spy.prompt_hidden.items():
+        assert spy.prompt_hidden[layer].shape == (200, states.shape[-1])
+        assert torch.equal(spy.prompt_hidden[layer], states) if exact else torch.allclose(
+            spy.prompt_hidden[layer], states, atol=1e-4)
 
 
 def test_asking_for_logprobs_changes_no_token():
