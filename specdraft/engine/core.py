@@ -410,7 +410,7 @@ class Engine:
                     r.prompt_logprobs += position_logprobs(logits[b, :len(targets)], targets,
                                                            r.params.prompt_logprobs)
                 self.cache.commit(r.slot, hi)  # the next block sees this one (`_prefill` commits the whole)
-            parts.append((logits[:, -1:], *hidden))
+            parts.append((logits[:, -1:].clone(), *hidden))  # a copy: a view would keep the block's logits
         final, captured, capture = parts[-1][1:]
         if len(parts) > 1 and final is not None:
             final = torch.cat([p[1] for p in parts], dim=1)
