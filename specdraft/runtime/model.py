@@ -14,7 +14,8 @@ output equals plain decoding bit for bit in bf16, not just up to near-ties. Two 
   file's quantized blocks) too;
 - otherwise (no compiler, fp32, GPU) the PyTorch modules below, whose attention is two matmuls over a key
   range padded to KEY_BLOCK.
-Prompts longer than CHUNKED_PREFILL_TOKENS run the PyTorch modules with GEMMs and SDPA.
+Prompts longer than CHUNKED_PREFILL_TOKENS (32,768: none of the bundled models') run the PyTorch modules with
+GEMMs and SDPA.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ RAGGED_BELOW = 7 / 8
 
 # Prompts of up to this many tokens are prefilled through the fused kernels, PREFILL_CHUNK_TOKENS at a time,
 # rather than by GEMMs over the whole prompt (scripts/bench_prefill.py on a Zen 4, both bundled models, bf16
-# and GGUF-native: 1.4-1.75x faster at 40 tokens, 1.06-1.31x at 200-1000, SmolLM2 at 2000 within 2% either
-# way, Gemma 3 at 2000 1.3-1.6x faster); longer prompts are unmeasured and keep the GEMM.
-CHUNKED_PREFILL_TOKENS = 2048
+# and GGUF-native: 1.4-1.75x faster at 40 tokens, 1.06-1.31x at 200-1000; at stop 53, GGUF-native, SmolLM2
+# 1.66 / 1.56 / 1.54 / 1.62x at 2,000 / 3,000 / 4,500 / 6,000 tokens, bf16 1.38x at 3,000 and 1.42x at 6,000,
+# Gemma 3 1.69 / 2.12 / 2.46 / 2.86x at 2,000-6,000 and 4.2x at 12,000: the GEMM path's attention and the
+# dequantized weights grow with the prompt). So every prompt up to Gemma 3's context takes the chunks; on a CPU
+# with AMX tiles, whose GEMMs are faster, only prompts up to 1,000 tokens have been measured.
+CHUNKED_PREFILL_TOKENS = 32768
 # Tokens per chunk of such a prefill: one call of the fused kernels over a causal block reads every weight
 # once, so a longer chunk spreads that read over more tokens; the kernels' rows keep their bits at any block
 # size. scripts/bench_prefill.py --chunks 32,64,128,256 on a Sapphire Rapids (AMX), SmolLM2 bf16, 200-1000
