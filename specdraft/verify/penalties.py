@@ -36,16 +36,20 @@ def node_paths(parents: Sequence[int]) -> list[list[int]]:
 def penalize_rows_(logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int],
                    row_tokens: Sequence[Sequence[int]], repetition: float = 1.0, frequency: float = 0.0,
                    presence: float = 0.0, bias: Mapping[int, float] | None = None) -> None:
-    """Apply `bias` ({token id: added to its logit}) and the penalties to fp32 CPU `logits` [R, V] in place
+    """Apply `bias` ({token id: added to its logit}) and the penalties to fp32 `logits` [R, V] in place
     (in that order, vLLM's): row r follows `generated` and then `row_tokens[r]` (the draft tokens before it,
     see `node_paths`); the repetition penalty also counts the `prompt`'s tokens. Only the columns of tokens
     that occur are read and written (a few hundred of tens of thousands), in NumPy on a view of the tensor:
     a dozen small operations each round, where torch's own overhead per call (5-50 us just after a forward)
     came to 0.3 ms a decoded token."""
-    if logits.dim() != 2 or logits.shape[0] != len(row_tokens) or logits.dtype != torch.float32 \
-            or logits.device.type != "cpu":
-        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype} on {logits.device} for {len(row_tokens)} "
-                         "rows: want fp32 on the CPU, one row each")
+    if logits.dim() != 2 or logits.shape[0] != len(row_tokens) or logits.dtype != torch.float32:
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype} for {len(row_tokens)} rows: want fp32, one "
+                         "row each")
+    if logits.device.type != "cpu":  # a GPU's rows: adjusted on the CPU and copied back
+        rows = logits.cpu()
+        penalize_rows_(rows, prompt, generated, row_tokens, repetition, frequency, presence, bias)
+        logits.copy_(rows)
+        return
     rows = logits.numpy()  # a view: writing it writes the tensor
     if bias:
         biased = np.fromiter(bias, dtype=np.int64, count=len(bias))
