@@ -53,7 +53,8 @@ def main() -> None:
             return tokens / (time.perf_counter() - start)
 
         rates = alternated_medians({"none": lambda: decode(None), "logprobs=0": lambda: decode(0),
-                            f"logprobs={args.top}": lambda: decode(args.top)}, args.passes, drafter or "plain")
+                                    f"logprobs={args.top}": lambda: decode(args.top)}, args.passes,
+                                   drafter or "plain")
         print_rates(f"decoding, {drafter or 'plain'}", rates, "tok/s")
 
     engine = build_engine(target, tokenizer, None, 0)
@@ -66,7 +67,7 @@ def main() -> None:
         return sum(map(len, prompts)) / (time.perf_counter() - start)
 
     rates = alternated_medians({"first token only": lambda: prefill(None), "prompt_logprobs=1": lambda: prefill(1)},
-                       args.passes, "prompt forwards")
+                               args.passes, "prompt forwards")
     print_rates("prompt forwards", rates, "prompt tok/s")
 
 
