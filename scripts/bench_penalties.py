@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from specdraft.bench.engine_alone import add_engine_alone_arguments, load_engine_alone
 from specdraft.bench.interleave import alternated_medians, print_rates
-from specdraft.bench.machine import header, header_lines
-from specdraft.bench.suite import load_suite
-from specdraft.config import target_dtype
 from specdraft.engine.core import build_engine
-from specdraft.runtime.loader import load_model, load_tokenizer
 from specdraft.verify.sampling import SamplingParams
 
 SETTINGS = {
@@ -30,22 +27,9 @@ SETTINGS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--drafter", default="ngram")
-    parser.add_argument("--suite", default="../shared/data/specbench-dev.jsonl")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--passes", type=int, default=4)
+    add_engine_alone_arguments(parser)
     args = parser.parse_args()
-    print("\n".join(header_lines({**header(), "model": args.model})))
-    target = load_model(args.model, dtype=target_dtype(args.dtype, args.drafter), progress=False)
-    tokenizer = load_tokenizer(args.model, progress=False)
-    questions = load_suite(args.suite)
-    step = max(1, len(questions) // args.prompts)  # across the suite's categories
-    prompts = [tokenizer.prompt_ids(q.turns[0], chat=tokenizer.has_chat_template)
-               for q in questions[::step][:args.prompts]]
-    print(f"{len(prompts)} prompts of {sum(map(len, prompts))} tokens, {args.max_tokens} greedy tokens each")
+    target, tokenizer, prompts = load_engine_alone(args)
 
     for drafter in (None, args.drafter):
         engine = build_engine(target, tokenizer, drafter, 5 if drafter else 0)
