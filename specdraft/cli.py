@@ -21,7 +21,19 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or (),
                           logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
-                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                          logit_bias=dict(args.logit_bias or ()))
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+    """An argparse type for `--logit-bias ID=BIAS`."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}") from None
 
 
 def _build_llm(args: argparse.Namespace):
@@ -184,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="OpenAI's: subtract this times a token's count in the output (-2 to 2)")
     gen.add_argument("--presence-penalty", type=float, default=0.0,
                      help="OpenAI's: subtract this from tokens already in the output (-2 to 2)")
+    gen.add_argument("--logit-bias", type=_token_bias, action="append", metavar="ID=BIAS",
+                     help="OpenAI's: add BIAS (-100 to 100) to token ID's logit (repeatable)")
     gen.add_argument("--logprobs", type=arg_int_in(0, MAX_LOGPROBS), default=None, metavar="N",
                      help="after the text, each token's log-probability under the target and its N most likely "
                           "alternatives (on stderr)")

@@ -20,6 +20,8 @@ from specdraft.runtime import cpu_kernels
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
     (["generate", "hi", "--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
     (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["generate", "hi", "--logit-bias", "5=101"], "logit_bias must map token ids"),
+    (["generate", "hi", "--logit-bias", "99999999=1"], "logit_bias token ids must be in [0, 49152)"),
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--draft", "quant:int3"], "int4 or int8"),
     (["generate", "hi", "--speculative-model", "quant:int3"], "int4 or int8"),
@@ -42,6 +44,7 @@ def test_cli_reports_user_errors_without_a_traceback(argv, message, capsys):
     (["demo", "--tree", "-1"], "argument --tree: must be an integer in [0, 31], got -1"),
     (["bench", "--tree", "x"], "argument --tree: expected an integer, got 'x'"),
     (["generate", "hi", "--logprobs", "21"], "argument --logprobs: must be an integer in [0, 20], got 21"),
+    (["generate", "hi", "--logit-bias", "x"], "argument --logit-bias: expected TOKEN_ID=BIAS (e.g. 42=-100), got 'x'"),
 ])
 def test_cli_names_the_flag_the_user_typed(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
