@@ -361,7 +361,7 @@ class Engine:
             else:
                 self._cached_tokens.pop(r.slot, None)
         chunks = {}
-        last = _adjusted(logits[:, -1:], requests, [Proposal([])] * len(requests))[:, 0]
+        last = _adjusted(logits[:, -1:], requests)[:, 0]
         firsts, _ = sample_rows(last, [r.params for r in requests], [r.generator for r in requests])
         for b, (r, first) in enumerate(zip(requests, firsts, strict=True)):
             self.cache.commit(r.slot, length)
@@ -655,17 +655,19 @@ def _cut_budget(budget: tuple[int, int, int | None], depth: int) -> tuple[int, i
     return depth, max(depth, nodes * depth // wanted), shape
 
 
-def _adjusted(logits: torch.Tensor, requests: Sequence[Request], proposals: Sequence[Proposal]) -> torch.Tensor:
-    """A verification block's logits [B, T, V] (row 0 the pending token's, then the proposal's nodes) with the
-    rows of each request that asks for a logit bias or penalties adjusted, each row penalized for the tokens
-    generated before it, its draft path included (verify/penalties.py): a new fp32 tensor; the same one where
-    no request asks."""
+def _adjusted(logits: torch.Tensor, requests: Sequence[Request],
+              proposals: Sequence[Proposal] | None = None) -> torch.Tensor:
+    """A verification block's logits [B, T, V] (row 0 the pending token's, then the proposal's nodes; no
+    `proposals`: row 0 only, a prompt's last row) with the rows of each request that asks for a logit bias or
+    penalties adjusted, each row penalized for the tokens generated before it, its draft path included
+    (verify/penalties.py): a new fp32 tensor; the same one where no request asks."""
     asking = [b for b, r in enumerate(requests) if r.params.adjusts_logits]
     if not asking:
         return logits
     out = logits.to(torch.float32, copy=True)
     for b in asking:
-        r, proposal, p = requests[b], proposals[b], requests[b].params
+        r, p = requests[b], requests[b].params
+        proposal = proposals[b] if proposals is not None else Proposal([])
         paths = [[proposal.tokens[node] for node in path] for path in node_paths(proposal.parents)]
         penalize_rows_(out[b, :len(paths)], r.prompt_ids, r.context[len(r.prompt_ids):], paths,
                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.logit_bias)
