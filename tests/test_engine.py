@@ -480,3 +480,54 @@ def test_a_cold_first_draft_round_does_not_turn_a_cheap_draft_off():
     assert controller.draft_step < 0.002
     memory.record(controller)
     assert not memory.hopeless
+
+
+def test_a_stalled_round_does_not_switch_speculation_off_but_a_slow_verification_does():
+    """Simulated rounds: a plain forward takes 10 ms, a draft token 0.5 ms, verification 0.5 ms a token, every
+    draft accepted. One round stalled 50 times over (another process, a page fault) once made the request
+    fall back for 16 rounds and fail every probe after it (its verification cost stayed inflated); now one
+    stall moves the estimate a little. Verification that truly costs 1.5 forwards a token still falls back;
+    once it is cheap again, a probe that stalls fails, and the next measures afresh and resumes."""
+    from specdraft.engine.adaptive import DraftLengthController
+
+    controller = DraftLengthController(4)
+    ks: list[int] = []
+
+    def rounds(n: int, stall: float = 1.0, extra_per_token: float = 0.0005) -> None:
+        """`n` rounds; `stall` slows the drafted ones."""
+        for _ in range(n):
+            k = controller.next_k()
+            ks.append(k)
+            if k == 0:
+                controller.update(0, 0, 0.0, 0.010)
+            else:
+                controller.update(k, k, 0.0005 * k, (0.010 + extra_per_token * k) * stall)
+
+    rounds(20)
+    assert controller.fallback_events == 0 and ks[-1] == 4
+    rounds(1, stall=50.0)
+    rounds(20)
+    assert controller.fallback_events == 0 and ks[-20:] == [4] * 20
+    rounds(10, extra_per_token=0.015)
+    assert controller.fallback_events == 1 and controller.in_fallback
+    rounds(controller.fallback_left)
+    rounds(1, stall=50.0)  # verification is cheap again, but the probe stalls: it fails
+    assert controller.fallback_events == 2 and controller.in_fallback
+    ks.clear()
+    rounds(60)
+    assert controller.fallback_events == 2 and ks[-20:] == [4] * 20  # the next probe measured afresh and paid
+    assert controller.reprobe_after == AdaptiveConfig().reprobe_after
+
+
+def test_timing_estimates_take_a_stall_as_a_few_times_the_estimate():
+    from specdraft.smoothing import STALL_FACTOR, timing_ema
+
+    assert timing_ema(None, 5.0, 0.5) == 5.0  # nothing to compare with: taken whole
+    assert timing_ema(1.0, 100.0, 0.5) == pytest.approx(1.0 + 0.5 * (STALL_FACTOR - 1.0))
+    assert timing_ema(1.0, 0.2, 0.5) == pytest.approx(0.6)  # faster: taken whole
+    assert timing_ema(0.0, 3.0, 0.5, expected=2.0) == pytest.approx(0.5 * min(3.0, STALL_FACTOR * 2.0))
+    assert timing_ema(0.0, 30.0, 0.5, expected=2.0) == pytest.approx(0.5 * STALL_FACTOR * 2.0)
+    estimate = 1.0
+    for _ in range(12):  # a real slowdown, 10 times over, is followed within a dozen rounds
+        estimate = timing_ema(estimate, 10.0, 1 / 8)
+    assert estimate > 5.0

@@ -498,18 +498,19 @@ def test_requests_a_batch_plan_leaves_out_keep_measuring_acceptance_by_shadow_dr
 def test_a_batch_that_drafts_every_round_still_runs_a_plain_round_every_so_often():
     """Where drafting always pays (a drafter that is always right, rows that cost nothing), a plain round
     still comes at least every PLAIN_EVERY batched rounds: it is what the machine's current pace is measured
-    on."""
+    on. The rows' costs are pinned and the requests' own controllers do not fall back on measured speed: one
+    stall of a busy CI machine in a drafted round is not what this test is about (it once made the requests
+    fall back for the rest of the run; `test_a_stalled_round_does_not_switch_speculation_off...`)."""
     target = kernel_model("llama")
     tokenizer = ToyTokenizer(KERNEL_VOCAB)
     prompt, params = kernel_prompts(1, seed=5)[0], SamplingParams(temperature=0, max_tokens=150)
     continuation = Engine(target, tokenizer, None, 0, max_model_len=256).generate(prompt, params).token_ids
-    engine = Engine(target, tokenizer, OracleDrafter(len(prompt), continuation), 2, AdaptiveConfig(),
+    engine = Engine(target, tokenizer, OracleDrafter(len(prompt), continuation), 2, AdaptiveConfig(min_speedup=0.0),
                     max_model_len=256, max_batch=3)
     for rows in range(3, 40):
         engine.planner.costs.record(rows, 1.0, plain=True)  # rows free: every draft pays
     kinds = []
-    record = engine.planner.costs.record
-    engine.planner.costs.record = lambda rows, seconds, plain: (kinds.append(plain), record(rows, seconds, plain))
+    engine.planner.costs.record = lambda rows, seconds, plain: kinds.append(plain)  # pinned
     assert [r.token_ids for r in engine.generate_many([prompt] * 3, [params] * 3)] == [continuation] * 3
     drafted_runs = "".join("p" if plain else "d" for plain in kinds).split("p")
     assert kinds.count(False) > 2 * PLAIN_EVERY and max(len(run) for run in drafted_runs) == PLAIN_EVERY
@@ -527,8 +528,8 @@ def test_where_rows_cost_only_the_request_whose_drafts_are_right_keeps_drafting(
     plain = Engine(target, tokenizer, None, 0, max_model_len=256)
     expected = [plain.generate(p, params).token_ids for p in prompts]
     right = len(prompts[0])
-    engine = Engine(target, tokenizer, OracleDrafter(right, expected[0]), 2, AdaptiveConfig(), max_model_len=256,
-                    max_batch=3)
+    engine = Engine(target, tokenizer, OracleDrafter(right, expected[0]), 2, AdaptiveConfig(min_speedup=0.0),
+                    max_model_len=256, max_batch=3)  # the controllers fall back on acceptance, not on timings
     for rows in range(1, 40):
         engine.planner.costs.record(rows, 0.002 + 0.001 * rows, plain=True)
     engine.planner.costs.record = lambda *args, **kwargs: None  # pinned

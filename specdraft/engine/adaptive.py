@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdraft.smoothing import ema
+from specdraft.smoothing import ema, timing_ema
 
 
 @dataclass
@@ -102,8 +102,8 @@ class RateBandit:
         # A re-measurement replaces the arm's stale estimate (the text may have changed since); the arm in use
         # is smoothed over its recent rounds.
         w = 1.0 if explored else self.smoothing
-        for table, value in ((self.tokens, float(tokens)), (self.seconds, seconds)):
-            table[arm] = ema(table.get(arm), value, w)
+        self.tokens[arm] = ema(self.tokens.get(arm), float(tokens), w)
+        self.seconds[arm] = timing_ema(self.seconds.get(arm), seconds, w)
         if explored:
             lost = self.best() != arm
             self.wait[arm] = min(2 * self.wait[arm], self.max_wait) if lost else self.explore_every
@@ -167,9 +167,9 @@ class ForwardCostTable:
         same few row counts and frequent, are what the pace is measured on)."""
         old = self.seconds.get(rows)
         if plain and old is not None:
-            self.pace = ema(self.pace, seconds / old, PACE_SMOOTHING)
+            self.pace = timing_ema(self.pace, seconds / old, PACE_SMOOTHING)
         seconds /= self.pace
-        self.seconds[rows] = ema(old, seconds, self.smoothing)
+        self.seconds[rows] = timing_ema(old, seconds, self.smoothing)
 
     def costs(self, first: int, last: int) -> list[float] | None:
         """Estimated seconds of a forward over each row count from `first` to `last` (None before any round
@@ -324,7 +324,7 @@ class BatchPlanner:
         elif expected is not None:
             self.calibration.record(expected, accepted)
         if asked:
-            self.draft_token_cost = ema(self.draft_token_cost, draft_seconds / asked, self.smoothing)
+            self.draft_token_cost = timing_ema(self.draft_token_cost, draft_seconds / asked, self.smoothing)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -394,6 +394,7 @@ class DraftLengthController:
         self.fallback_left = 0
         self.reprobe_after = self.config.reprobe_after  # the current wait (grows while probes fail)
         self.probing = False  # the speculation under way is a probe after a fallback
+        self.stale_costs = False  # the next drafted round replaces draft_step and verify_extra (a probe's)
         self.fallback_events = 0
         self.log: list[str] = []
         if memory is not None and memory.hopeless and self.config.enabled:
@@ -406,6 +407,10 @@ class DraftLengthController:
 
     def _ema(self, old: float | None, new: float) -> float:
         return ema(old, new, 1.0 / self.config.window)
+
+    def _timing_ema(self, old: float | None, new: float, expected: float | None = None) -> float:
+        """`_ema` of a measured time, a stall capped (`timing_ema`)."""
+        return timing_ema(old, new, 1.0 / self.config.window, expected)
 
     @property
     def in_fallback(self) -> bool:
@@ -423,6 +428,9 @@ class DraftLengthController:
                 self.alpha = max(self.alpha, self.config.min_acceptance + 0.1)
                 self.k = 1
                 self.probing = True
+                # What drafting cost was measured before the fallback, perhaps in a stall of the machine;
+                # the probe measures it afresh, or one bad moment would fail every probe after it.
+                self.stale_costs = True
             return 0
         return self.k
 
@@ -453,7 +461,7 @@ class DraftLengthController:
             if self.plain_rounds <= CALIBRATION_ROUNDS:  # the first decoding step runs cold: keep the fastest
                 self.plain_forward = min(self.plain_forward or verify_time, verify_time)
             else:
-                self.plain_forward = self._ema(self.plain_forward, verify_time)
+                self.plain_forward = self._timing_ema(self.plain_forward, verify_time)
             return
         if self.plain_forward is not None:
             # Verifying K+1 tokens never beats a 1-token forward: a bound that keeps the baseline honest
@@ -469,11 +477,15 @@ class DraftLengthController:
             # The first drafting runs cold too (a drafter's first call lays out its weights, warms its
             # caches): keep the fastest, or one cold round would read as a draft that can never pay.
             self.draft_step = min(self.draft_step or step, step)
+        elif self.stale_costs:
+            self.draft_step = step
         else:
-            self.draft_step = self._ema(self.draft_step, step)
+            self.draft_step = self._timing_ema(self.draft_step, step)
         if self.plain_forward is not None:
             extra = max(0.0, (verify_time - self.plain_forward) / (nodes or drafted))
-            self.verify_extra = self._ema(self.verify_extra, extra)
+            self.verify_extra = extra if self.stale_costs else self._timing_ema(
+                self.verify_extra, extra, expected=max(self.verify_extra, self.plain_forward))
+        self.stale_costs = False
         if not self.config.enabled:
             return
         if self.draft_rounds < CALIBRATION_ROUNDS:
