@@ -159,11 +159,8 @@ class LLM:
             if position is None:  # a prompt's first token
                 out.append(None)
                 continue
-            entries = {position.token_id: Logprob(position.logprob, position.rank,
-                                                  self.tokenizer.token_piece(position.token_id))}
-            for rank, (token, logprob) in enumerate(position.top, start=1):
-                entries.setdefault(token, Logprob(logprob, rank, self.tokenizer.token_piece(token)))
-            out.append(entries)
+            out.append({token: Logprob(logprob, rank, self.tokenizer.token_piece(token))
+                        for token, logprob, rank in position.ranked()})
         return out
 
     @staticmethod

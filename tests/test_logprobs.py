@@ -43,6 +43,14 @@ def test_position_logprobs_are_log_softmax_with_ranks_and_the_most_likely_first(
         position_logprobs(logits, tokens, MAX_LOGPROBS + 1)
 
 
+def test_a_positions_alternatives_list_the_chosen_token_first_and_each_token_once():
+    chosen_in_top = TokenLogprobs(7, -1.5, 2, ((3, -0.5), (7, -1.5), (9, -2.0)))
+    assert chosen_in_top.ranked() == [(7, -1.5, 2), (3, -0.5, 1), (9, -2.0, 3)]
+    unlikely = TokenLogprobs(5, -9.0, 40, ((3, -0.5),))
+    assert unlikely.ranked() == [(5, -9.0, 40), (3, -0.5, 1)]
+    assert TokenLogprobs(5, -9.0, 40).ranked() == [(5, -9.0, 40)]
+
+
 @pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, True, 1.5, "2"])
 def test_nonsense_logprobs_are_refused(value):
     with pytest.raises(InvalidParameterError, match="logprobs"):

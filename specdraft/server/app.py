@@ -475,8 +475,8 @@ class Reply:
                 values.append(None)
                 tops.append(None)
                 continue
-            top = {piece: _finite(p.logprob)}  # the token itself, then the likeliest (vLLM's way)
-            for token, value in p.top:
+            top: dict[str, float] = {}  # by text: two ids of one piece keep the first (likelier)
+            for token, value, _ in p.ranked():
                 top.setdefault(self.piece(token), _finite(value))
             values.append(_finite(p.logprob))
             tops.append(top)

@@ -33,6 +33,14 @@ class TokenLogprobs:
     rank: int
     top: tuple[tuple[int, float], ...] = ()
 
+    def ranked(self) -> list[tuple[int, float, int]]:
+        """(token id, log-probability, rank) of the token chosen, then of the `top` ones not already listed:
+        the order vLLM and OpenAI give a position's alternatives in."""
+        out = [(self.token_id, self.logprob, self.rank)]
+        out += [(token, logprob, rank) for rank, (token, logprob) in enumerate(self.top, start=1)
+                if token != self.token_id]
+        return out
+
 
 def position_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
     """`logits` [n, V]: row i the target's logits that `tokens[i]` was chosen from; `top` alternatives each
