@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="default: 2 x --concurrency")
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="requests end at the end-of-sequence token, as a server's do, so batches are ragged "
+                             "(default: every request runs --max-tokens, in waves of --concurrency)")
     parser.add_argument("--no-batch-drafting", action="store_true",
                         help="also run the drafter held to plain rounds whenever two or more requests run")
     parser.add_argument("--q8-16bit", action="store_true",
@@ -50,7 +53,7 @@ def main() -> None:
     count = args.requests or 2 * args.concurrency
     chat = tokenizer.has_chat_template  # a base model (Gemma 3 270M) takes the plain text
     prompts = [tokenizer.prompt_ids(suite[i % len(suite)].turns[0], chat=chat) for i in range(count)]
-    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)] * len(prompts)
     engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
     if args.no_batch_drafting:

@@ -17,7 +17,18 @@ def ema(old: float | None, new: float, weight: float) -> float:
 STALL_FACTOR = 4.0
 
 
-def timing_ema(old: float | None, new: float, weight: float, expected: float | None = None) -> float:
+def geometric_ema(old: float | None, new: float, weight: float) -> float:
+    """An exponential moving average of logarithms (`new` itself when there is no `old` yet), for positive
+    quantities estimated by dividing one by another. The arithmetic average of noisy ratios is biased up
+    (Jensen's inequality: E[x / y] > E[x] / E[y]), and two such estimates that divide each other compound the
+    bias round after round; the average of their logarithms is not biased."""
+    if old is None or old <= 0 or new <= 0:
+        return ema(old, new, weight)
+    return old * (new / old) ** weight
+
+
+def timing_ema(old: float | None, new: float, weight: float, expected: float | None = None,
+               geometric: bool = False) -> float:
     """`ema` of a measured duration, robust to one stall of the machine: `new` counts at most STALL_FACTOR
     times `expected` (the estimate itself by default; no cap without one).
 
@@ -25,8 +36,9 @@ def timing_ema(old: float | None, new: float, weight: float, expected: float | N
     collector pause). Taken whole, one such round moved an estimate far enough to switch speculation off for
     dozens of rounds (a request's fallback, a planner's table entry no plan measured again). Capped, one
     stall moves an estimate no more than a few rounds of a real slowdown do, and a real one is still followed
-    within a few rounds (each may grow the estimate by `weight * (STALL_FACTOR - 1)` of itself)."""
+    within a few rounds (each may grow the estimate by `weight * (STALL_FACTOR - 1)` of itself; `geometric`:
+    by STALL_FACTOR ** weight)."""
     limit = old if expected is None else expected
     if limit is not None and limit > 0:
         new = min(new, STALL_FACTOR * limit)
-    return ema(old, new, weight)
+    return geometric_ema(old, new, weight) if geometric else ema(old, new, weight)

@@ -520,13 +520,16 @@ def test_a_stalled_round_does_not_switch_speculation_off_but_a_slow_verification
 
 
 def test_timing_estimates_take_a_stall_as_a_few_times_the_estimate():
-    from specdraft.smoothing import STALL_FACTOR, timing_ema
+    from specdraft.smoothing import STALL_FACTOR, geometric_ema, timing_ema
 
     assert timing_ema(None, 5.0, 0.5) == 5.0  # nothing to compare with: taken whole
     assert timing_ema(1.0, 100.0, 0.5) == pytest.approx(1.0 + 0.5 * (STALL_FACTOR - 1.0))
     assert timing_ema(1.0, 0.2, 0.5) == pytest.approx(0.6)  # faster: taken whole
     assert timing_ema(0.0, 3.0, 0.5, expected=2.0) == pytest.approx(0.5 * min(3.0, STALL_FACTOR * 2.0))
     assert timing_ema(0.0, 30.0, 0.5, expected=2.0) == pytest.approx(0.5 * STALL_FACTOR * 2.0)
+    assert geometric_ema(1.0, 4.0, 0.5) == pytest.approx(2.0)  # half way in logarithms
+    assert geometric_ema(None, 4.0, 0.5) == 4.0
+    assert timing_ema(1.0, 100.0, 0.5, geometric=True) == pytest.approx(STALL_FACTOR ** 0.5)
     estimate = 1.0
     for _ in range(12):  # a real slowdown, 10 times over, is followed within a dozen rounds
         estimate = timing_ema(estimate, 10.0, 1 / 8)
