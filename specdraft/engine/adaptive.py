@@ -154,7 +154,7 @@ class ForwardCostTable:
     averages of logarithms (`geometric_ema`): each is measured by dividing by the other, and as arithmetic
     averages the noise's bias compounded between them, so the counts plain rounds measure drifted cheaper
     and cheaper against those measured only by drafting (a steady machine with 15% noise: 16 rows against 8
-    read 2.5 times dearer after 2,000 plain rounds, 4 times after 4,000, where 1.5 was true), and a
+    read 2.5 times dearer after 2,000 plain rounds, 3.7 times after 4,000, where 1.5 was true), and a
     long-running server drafted less and less.
 
     Between measured counts the table interpolates; past the largest it extends the line through the largest

@@ -475,7 +475,7 @@ class Reply:
                 values.append(None)
                 tops.append(None)
                 continue
-            top: dict[str, float] = {}  # by text: two ids of one piece keep the first (likelier)
+            top: dict[str, float] = {}  # by text: where two ids give one piece, the first listed stays
             for token, value, _ in p.ranked():
                 top.setdefault(self.piece(token), _finite(value))
             values.append(_finite(p.logprob))
