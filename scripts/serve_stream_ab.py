@@ -1,6 +1,8 @@
 """Streamed against not streamed through one `specdraft serve` process, alternated: what streaming costs the
 server at each concurrency (the same requests, `bench-serve`'s client, medians of the passes). With several
-`--stream-interval`s, a server each, streamed alike and alternated, the first also not streamed.
+`--stream-interval`s, a server each, streamed alike and alternated, the first also not streamed; with
+`--server-flags`, a server for each set of `specdraft serve` flags (e.g. uvicorn's `--http`, `--loop`), each
+streamed and not.
 
 On Linux it also says where the CPU goes, per output token: the server's event-loop thread (HTTP, SSE, the
 loopback sends; its main thread), the rest of the server (the engine thread and the kernels' OpenMP workers)
@@ -8,7 +10,7 @@ and the client (this process). On 2 cores every microsecond the first and last s
 that keeps both cores busy, so their sum over a token's time is about what streaming costs.
 
     .venv/bin/python scripts/serve_stream_ab.py [--model smollm2-135m] [--concurrency 1,8] [--passes 4]
-        [--max-tokens 64] [--stream-interval 1[,2,...]]
+        [--max-tokens 64] [--stream-interval 1[,2,...]] [--server-flags "--http h11;--http httptools"]
 """
 
 from __future__ import annotations
@@ -69,23 +71,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--stream-interval", default="1",
                         help="the servers' --stream-interval; several (1,2) start a server each, streamed alike")
+    parser.add_argument("--server-flags", default=None,
+                        help="';'-separated sets of serve flags, a server each (instead of --stream-interval)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     intervals = [int(n) for n in args.stream_interval.split(",")]
     prompts = [q.turns[0] for q in load_suite(args.suite)]
     with ExitStack() as stack:
-        servers = []  # (interval, url, pid)
-        for interval in intervals:
+        flag_sets = [flags.split() for flags in args.server_flags.split(";")] if args.server_flags else None
+        settings = [(1, flags) for flags in flag_sets] if flag_sets else [(n, []) for n in intervals]
+        servers = []  # (label, url, pid)
+        for interval, flags in settings:
             serve_args = argparse.Namespace(model=args.model, dtype="auto", api_key=None, num_speculative_tokens=5,
-                                            stream_interval=interval)
+                                            stream_interval=interval, server_flags=flags)
             before = _children()
             url = stack.enter_context(_serve_process(serve_args, max(levels), None))
             started = _children() - before
-            servers.append((interval, url, started.pop() if len(started) == 1 else None))
+            label = " ".join(flags) if flag_sets else f"interval {interval}" if len(intervals) > 1 else ""
+            servers.append((label, url, started.pop() if len(started) == 1 else None))
             _run_level(url, args.model, prompts[:1], 1, 4, None)  # warm-up
-        # every server streamed, and the first one not streamed: (label, url, pid, stream)
-        modes = [(f"streamed, interval {n}" if len(intervals) > 1 else "streamed", url, pid, True)
-                 for n, url, pid in servers] + [("not streamed", servers[0][1], servers[0][2], False)]
+        # every server streamed, and the first one (each one, with --server-flags) not streamed:
+        # (label, url, pid, stream)
+        modes = [(f"streamed, {label}" if label else "streamed", url, pid, True) for label, url, pid in servers]
+        modes += [(f"not streamed, {label}" if flag_sets else "not streamed", url, pid, False)
+                  for label, url, pid in (servers if flag_sets else servers[:1])]
         for concurrency in levels:
             batch = [prompts[i % len(prompts)] for i in range(max(8, 2 * concurrency))]
             rates: dict[str, list[float]] = {label: [] for label, *_ in modes}
@@ -106,10 +115,11 @@ def main() -> None:
                 print(f"c={concurrency} {label:22} output tok/s median {statistics.median(runs):.1f}  "
                       f"runs {' '.join(f'{r:.0f}' for r in runs)}"
                       + (f"\n      ms of CPU per token (medians){split}" if split else ""), flush=True)
+            unstreamed = modes[len(servers)][0]
             for label, runs in rates.items():
-                if label != "not streamed":
-                    ratios = [a / b for a, b in zip(runs, rates["not streamed"])]
-                    print(f"c={concurrency} {label} / not streamed, median of each pass's ratio "
+                if label != unstreamed:
+                    ratios = [a / b for a, b in zip(runs, rates[unstreamed])]
+                    print(f"c={concurrency} {label} / {unstreamed}, median of each pass's ratio "
                           f"{statistics.median(ratios):.3f}", flush=True)
 
 

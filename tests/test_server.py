@@ -683,6 +683,40 @@ def test_a_server_with_a_stream_interval_streams_the_same_text(target, tokenizer
     assert len([p for p in pieces if p]) <= 1 + 4  # the first token, then 16 in fours
 
 
+@pytest.mark.parametrize("stack", [("h11", "asyncio"), ("httptools", "uvloop")],
+                         ids=["h11-asyncio", "httptools-uvloop"])
+def test_each_http_stack_streams_the_same_text_and_answers_bad_requests_alike(target, tokenizer, stack):
+    """`specdraft serve --http/--loop`: uvicorn's pure-Python protocol and loop, and the C ones `auto` picks
+    where installed, give the same streamed text and the same 4xx answers (a bad body, bad JSON)."""
+    http, loop = stack
+    for module in stack:
+        if module != "asyncio":
+            pytest.importorskip(module)
+    engine = make_engine(target, tokenizer, max_batch=2)
+    with serve_in_thread(create_app(engine, tokenizer, NAME), http=http, loop=loop) as url:
+        text, finish = stream_chat(url, "abcabc", 12)
+        bad_json = httpx.post(url + "/v1/chat/completions", content=b"{not json",
+                              headers={"content-type": "application/json"})
+        bad_value = chat_text(url, "abc", 4, temperature=-1)
+    assert_greedy(text, reference(target, tokenizer, tokenizer.encode("abcabc|"), 12))
+    assert finish == "length"
+    for response in (bad_json, bad_value):
+        assert response.status_code == 400 and response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "temperature"
+
+
+def test_serve_passes_uvicorns_http_and_loop_choices(monkeypatch):
+    from specdraft.server import app as server_app
+
+    configs = []
+    monkeypatch.setattr(server_app.uvicorn, "Config", lambda app, **config: configs.append(config))
+    monkeypatch.setattr(server_app.uvicorn.Server, "__init__", lambda self, config: None)
+    server_app.make_server(create_app_lazy(lambda: None, NAME), http="h11", loop="asyncio")
+    assert configs[-1]["http"] == "h11" and configs[-1]["loop"] == "asyncio"
+    with pytest.raises(SystemExit):
+        main(["serve", "--http", "gopher"])
+
+
 def test_a_streamed_text_event_is_the_chunk_serialized_in_full():
     """`Reply.text_event` fills a serialized template: the same characters as serializing the whole chunk,
     for chat and text completions, with and without the usage field, whatever the text holds."""

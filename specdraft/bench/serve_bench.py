@@ -332,6 +332,7 @@ def _serve_process(args: argparse.Namespace, max_batch: int, drafter: str | None
         command += ["--api-key", args.api_key]
     if getattr(args, "stream_interval", 1) != 1:
         command += ["--stream-interval", str(args.stream_interval)]
+    command += list(getattr(args, "server_flags", ()))
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -166,20 +166,24 @@ class Server(uvicorn.Server):
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                timeout_graceful_shutdown: int = 5) -> Server:
-    """The uvicorn server for `app` (bound to localhost unless told otherwise)."""
-    return Server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
+                timeout_graceful_shutdown: int = 5, http: str = "auto", loop: str = "auto") -> Server:
+    """The uvicorn server for `app` (bound to localhost unless told otherwise); `http` and `loop` are uvicorn's
+    own choices."""
+    return Server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown,
+                  http=http, loop=loop)
 
 
 @contextmanager
-def serve_in_thread(app: FastAPI, log_level: str = "warning", timeout_graceful_shutdown: int = 2) -> Iterator[str]:
+def serve_in_thread(app: FastAPI, log_level: str = "warning", timeout_graceful_shutdown: int = 2, http: str = "auto",
+                    loop: str = "auto") -> Iterator[str]:
     """`app` on a free loopback port in a background thread, lifespan included (tests, `bench-serve`);
-    yields the base URL and shuts the server down on exit."""
+    yields the base URL and shuts the server down on exit. `http`, `loop`: as `make_server`."""
     # proto=IPPROTO_TCP, as uvicorn's own binding has it: asyncio sets TCP_NODELAY on accepted connections only
     # then, and without it Nagle + delayed ACKs add 40 ms to every response.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = Server(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown)
+    server = Server(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown, http=http,
+                    loop=loop)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdraft-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "gguf", "fp32", "fp16"], help=DTYPE_HELP)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed K, no fallback to plain decoding")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                        help="uvicorn's HTTP protocol (auto: httptools where installed)")
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                        help="uvicorn's event loop (auto: uvloop where installed)")
 
 
 def loader(args: argparse.Namespace, name: str):
@@ -70,7 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level, http=args.http,
+                         loop=args.loop)
     state = app.state.server
 
     def load_failed(message: str) -> None:  # a server that can never answer should not keep running
