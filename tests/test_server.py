@@ -23,6 +23,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime import cpu_kernels
 from specdraft.runtime.tokenizer import Tokenizer
 from specdraft.server import ServedModel, create_app, create_app_lazy, serve_in_thread
+from specdraft.server.protocol import MAX_BATCH_PROMPTS
 from specdraft.verify.sampling import SamplingParams
 
 VOCAB = 101  # kernel_model's vocabulary
@@ -314,6 +315,44 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_asks(serv
     assert bare.choices[0].logprobs is None
 
 
+def test_a_batch_of_prompts_gets_a_choice_each_as_if_sent_alone(server, target, tokenizer):
+    """A completions request with a list of prompts (strings, or lists of token ids): one choice per prompt,
+    `index` its place, each the text its prompt gets alone, streamed or not; the usage sums the prompts'."""
+    url, engine = server
+    texts = ["abcabc", "hello", "zz", "abcabcabd"]
+    alone = [reference(target, tokenizer, tokenizer.encode(t), 9) for t in texts]
+    oa = client(url)
+    for prompt in (texts, [tokenizer.encode(t) for t in texts]):
+        done = oa.completions.create(model=NAME, prompt=prompt, max_tokens=9, temperature=0)
+        assert [c.index for c in done.choices] == [0, 1, 2, 3]
+        for choice, expected in zip(done.choices, alone, strict=True):
+            assert_greedy(choice.text, expected)
+        assert done.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+        assert done.usage.completion_tokens == 4 * 9
+    pieces: dict[int, list[str]] = {i: [] for i in range(4)}
+    finished, usages, ids = set(), [], set()
+    for chunk in oa.completions.create(model=NAME, prompt=texts, max_tokens=9, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}):
+        ids.add(chunk.id)
+        if chunk.usage is not None and not chunk.choices:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2, 3} and len(ids) == 1 and len(usages) == 1
+    assert ["".join(pieces[i]) for i in range(4)] == [c.text for c in done.choices]
+    assert usages[0].completion_tokens == 36 and usages[0].prompt_tokens == done.usage.prompt_tokens
+    # one prompt too long for the context: a 400 that names it, and nothing of the batch keeps running
+    response = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": NAME, "prompt": ["abc", "a" * CONTEXT], "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("prompt 1: ")
+    deadline = time.monotonic() + 10
+    while engine.free_slots != engine.max_batch and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.free_slots == engine.max_batch
+
+
 def test_vllms_tokenizer_endpoints_use_the_servers_tokenizer(server, tokenizer):
     """`/tokenize` (a prompt, or messages through the chat template), `/detokenize` and `/tokenizer_info`, as
     vLLM serves them and lm-evaluation-harness's remote tokenizer reads them."""
@@ -444,9 +483,10 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (CHAT, json.dumps({"model": "gpt-4", "messages": MSG}).encode(), "does not exist"),
         (COMPLETIONS, json.dumps({"prompt": ""}).encode(), "empty"), (COMPLETIONS, comp(prompt=[]), "prompt"),
         (COMPLETIONS, comp(prompt=[-1]), "token ids"), (COMPLETIONS, comp(prompt=[10**6]), "token ids"),
-        (COMPLETIONS, comp(prompt=["a", "b"]), "prompt"), (COMPLETIONS, comp(prompt=5), "prompt"),
+        (COMPLETIONS, comp(prompt=["a", [1]]), "prompt"), (COMPLETIONS, comp(prompt=5), "prompt"),
         (COMPLETIONS, comp(prompt=[1.5]), "prompt"), (COMPLETIONS, comp(suffix="x"), "suffix"),
-        (COMPLETIONS, comp(prompt=[[1], [2]]), "prompt"), (COMPLETIONS, comp(prompt=[[]]), "prompt"),
+        (COMPLETIONS, comp(prompt=["a"] * (MAX_BATCH_PROMPTS + 1)), "prompt"),
+        (COMPLETIONS, comp(prompt=[[1], []]), "prompt"), (COMPLETIONS, comp(prompt=[[]]), "prompt"),
         (COMPLETIONS, comp(echo=1), "echo"),
         (COMPLETIONS, comp(max_tokens=10**9), "context"), (COMPLETIONS, comp(bogus=None), "unknown field"),
         (COMPLETIONS, json.dumps({"model": NAME}).encode(), "prompt"),

@@ -334,33 +334,85 @@ async def _on_engine_thread(state: ServerState, fn: Callable[[EngineWorker], T],
 
 async def _generate(state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
                     chat: bool) -> Response:
+    """A chat or completions request: a ticket per prompt (a completions batch has several; each its own
+    request to the engine, batched with everyone else's), one response with a choice per prompt."""
     worker = state.ready_worker()
     params = sampling_params(body, default_max_tokens=None)
-    prompt = body.prompt() if chat else body.prompt_input()
-    ticket = Ticket(prompt=prompt, chat=chat, params=params, loop=asyncio.get_running_loop(),
-                    max_tokens_default=body.token_budget() is None, stream=bool(body.stream))
-    worker.submit(ticket)
+    prompts = [body.prompt()] if chat else body.prompt_inputs()
+    loop = asyncio.get_running_loop()
+    tickets = [Ticket(prompt=prompt, chat=chat, params=params, loop=loop,
+                      max_tokens_default=body.token_budget() is None, stream=bool(body.stream)) for prompt in prompts]
     watch = DisconnectWatch(request)
+
+    def cancel_all() -> None:
+        for ticket in tickets:
+            worker.cancel(ticket)
+
     try:
-        first = await _next_event(ticket, watch)
-        if first.kind == "error":
-            raise first.error
-        echo = None
-        if not chat and body.echo:  # the prompt as given, or the text its token ids spell
-            echo = prompt if isinstance(prompt, str) else worker.tokenizer.decode(first.token_ids)
-        reply = Reply(state.model_name, chat, first.token_ids, worker.tokenizer.token_piece, echo)
+        for ticket in tickets:
+            worker.submit(ticket)
+        replies: list[Reply] = []
+        for index, (ticket, prompt) in enumerate(zip(tickets, prompts)):
+            first = await _next_event(ticket, watch)
+            if first.kind == "error":
+                raise _for_prompt(first.error, index, len(prompts))
+            echo = None
+            if not chat and body.echo:  # the prompt as given, or the text its token ids spell
+                echo = prompt if isinstance(prompt, str) else worker.tokenizer.decode(first.token_ids)
+            replies.append(Reply(state.model_name, chat, first.token_ids, worker.tokenizer.token_piece, echo,
+                                 index=index, id=replies[0].id if replies else ""))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse(ticket, reply, include_usage)
-            return CancellingStream(stream, on_close=lambda: worker.cancel(ticket))
-        result = await _collect(ticket, watch)
+            events = ChoiceEvents(tickets)
+            stream = _sse(events, replies, include_usage)
+
+            def close() -> None:
+                events.close()
+                cancel_all()
+            return CancellingStream(stream, on_close=close)
+        results = [await _collect(ticket, watch) for ticket in tickets]
     except ClientGone:
-        worker.cancel(ticket)
+        cancel_all()
         return Response(status_code=499)
     except BaseException:
-        worker.cancel(ticket)
+        cancel_all()
         raise
-    return JSONResponse(reply.full(result))
+    return JSONResponse(_response(replies, results))
+
+
+def _for_prompt(error: APIError, index: int, prompts: int) -> APIError:
+    """A batch's error says which of its prompts it is about."""
+    if prompts == 1:
+        return error
+    return APIError(error.status, f"prompt {index}: {error.message}", error.type, error.param, error.code)
+
+
+class ChoiceEvents:
+    """The events of a request's tickets as (choice index, event), in the order they come. One ticket's are
+    read straight from its queue (the one event per streamed token stays a single await); a batch's are
+    forwarded into one queue by a task per ticket, which `close` cancels."""
+
+    def __init__(self, tickets: list[Ticket]) -> None:
+        self.count = len(tickets)
+        self._single = tickets[0] if len(tickets) == 1 else None
+        self._merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._tasks = [] if self._single else [asyncio.create_task(self._forward(i, t)) for i, t in enumerate(tickets)]
+
+    async def _forward(self, index: int, ticket: Ticket) -> None:
+        while True:
+            event = await ticket.events.get()
+            self._merged.put_nowait((index, event))
+            if event.final:
+                return
+
+    async def next(self) -> tuple[int, Event]:
+        if self._single is not None:
+            return 0, await self._single.events.get()
+        return await self._merged.get()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
 
 class DisconnectWatch:
@@ -432,9 +484,11 @@ class Reply:
     prompt_ids: list[int]
     piece: Callable[[int], str]
     echo: str | None = None
+    index: int = 0  # the choice's place (a completions batch: its prompt's place in the list)
+    id: str = ""  # the response's id, shared by its choices (new where empty)
 
     def __post_init__(self) -> None:
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._text_events: dict[bool, tuple[str, str]] = {}
         self._text_offset = 0  # characters of completion text before the next token's (completions' logprobs)
@@ -442,18 +496,6 @@ class Reply:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
-
-    def usage(self, result: GenerationResult) -> dict[str, Any]:
-        """OpenAI's token counts (the prompt's cached tokens: those whose cache entries were copied from an
-        earlier prompt), plus this request's speculation: acceptance rate (null when nothing was drafted) and
-        mean accepted length (tokens per target decode forward, bonus token included)."""
-        m = result.metrics
-        completion = len(result.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": m.prompt_tokens_cached},
-                "acceptance_rate": acceptance_rate(m.accepted, m.drafted),
-                "mean_accepted_length": mean_accepted_length(m.produced_tokens, m.target_forwards)}
 
     def logprobs(self, logprobs: list[TokenLogprobs] | None,
                  prompt: list[TokenLogprobs | None] | None = None) -> dict[str, Any] | None:
@@ -490,17 +532,15 @@ class Reply:
         piece = self.piece(token_id)
         return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
+    def choice(self, result: GenerationResult) -> dict[str, Any]:
+        """The choice of a response that is not streamed."""
         echoed = self.echo is not None
         logprobs = self.logprobs(result.logprobs, result.prompt_logprobs if echoed else None)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": logprobs, "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": (self.echo or "") + result.text, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(result)}
+            return {"index": self.index, "message": {"role": "assistant", "content": result.text},
+                    "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return {"index": self.index, "text": (self.echo or "") + result.text, "logprobs": logprobs,
+                "finish_reason": result.finish_reason}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
               usage: dict[str, Any] | None = None, with_usage: bool = False,
@@ -511,9 +551,9 @@ class Reply:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
+            choices = [{"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
         else:
-            choices = [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
+            choices = [{"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [] if usage is not None else choices}
         if with_usage:
@@ -531,6 +571,29 @@ class Reply:
         return head + json.dumps(text) + tail
 
 
+def usage(replies: list[Reply], results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's token counts over a response's choices (the prompts' cached tokens: those whose cache entries
+    were copied from an earlier prompt), plus their speculation: acceptance rate (null when nothing was
+    drafted) and mean accepted length (tokens per target decode forward, bonus token included)."""
+    prompt = sum(reply.prompt_tokens for reply in replies)
+    completion = sum(len(result.token_ids) for result in results)
+    metrics = [result.metrics for result in results]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m.prompt_tokens_cached for m in metrics)},
+            "acceptance_rate": acceptance_rate(sum(m.accepted for m in metrics), sum(m.drafted for m in metrics)),
+            "mean_accepted_length": mean_accepted_length(sum(m.produced_tokens for m in metrics),
+                                                         sum(m.target_forwards for m in metrics))}
+
+
+def _response(replies: list[Reply], results: list[GenerationResult]) -> dict[str, Any]:
+    """The whole response of a request that is not streamed: a choice per prompt, in their order."""
+    first = replies[0]
+    return {"id": first.id, "object": "chat.completion" if first.chat else "text_completion",
+            "created": first.created, "model": first.model,
+            "choices": [reply.choice(result) for reply, result in zip(replies, results, strict=True)],
+            "usage": usage(replies, results)}
+
+
 _TEXT_MARKER = "\0specdraft-text\0"  # stands for a chunk's text in `Reply.text_event` (escaped as \u0000 in JSON)
 LOWEST_LOGPROB = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity; vLLM's value)
 
@@ -545,27 +608,32 @@ def _sse_line(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _sse(ticket: Ticket, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: the role (chat), each round's text, the finish reason, the usage when asked, then
-    `[DONE]`. An error after the stream started arrives as an `error` event (the status is already sent)."""
-    if reply.chat:
-        yield _sse_line(reply.chunk(None, role=True, with_usage=include_usage))
-    echo = reply.echo
-    while True:
-        event = await ticket.events.get()
+async def _sse(events: ChoiceEvents, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: the role (chat), each round's text, each choice's finish reason, the usage when
+    asked (once every choice is done), then `[DONE]`. An error after the stream started arrives as an `error`
+    event (the status is already sent) and ends the stream."""
+    if replies[0].chat:
+        yield _sse_line(replies[0].chunk(None, role=True, with_usage=include_usage))
+    echoes = [reply.echo for reply in replies]
+    results: dict[int, GenerationResult] = {}
+    while len(results) < events.count:
+        index, event = await events.next()
         if event.kind == "error":
-            yield _sse_line(event.error.body())
+            yield _sse_line(_for_prompt(event.error, index, events.count).body())
             break
-        if echo is not None:  # the prompt first, with its logprobs (they come with the first token's round)
-            yield _sse_line(reply.chunk(echo, prompt_logprobs=event.prompt_logprobs, with_usage=include_usage))
-            echo = None
+        reply = replies[index]
+        if echoes[index] is not None:  # the prompt first, with its logprobs (they come with the first token's round)
+            yield _sse_line(reply.chunk(echoes[index], prompt_logprobs=event.prompt_logprobs,
+                                        with_usage=include_usage))
+            echoes[index] = None
         if event.logprobs:  # a round's tokens with their logprobs (its text may lag behind, for stop strings)
             yield _sse_line(reply.chunk(event.text, logprobs=event.logprobs, with_usage=include_usage))
         elif event.text:
             yield reply.text_event(event.text, include_usage)
         if event.result is not None:
             yield _sse_line(reply.chunk(None, event.result.finish_reason, with_usage=include_usage))
-            if include_usage:
-                yield _sse_line(reply.chunk(None, usage=reply.usage(event.result), with_usage=True))
-            break
+            results[index] = event.result
+    if include_usage and len(results) == events.count:
+        done = [results[i] for i in range(events.count)]
+        yield _sse_line(replies[0].chunk(None, usage=usage(replies, done), with_usage=True))
     yield _sse_line("[DONE]")

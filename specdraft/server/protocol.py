@@ -19,6 +19,9 @@ from specdraft.verify.logprobs import MAX_LOGPROBS
 from specdraft.verify.sampling import SamplingParams
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# Prompts in one completions request (a batch, as lm-evaluation-harness sends with batch_size > 1): each is a
+# request of its own to the engine, queued for a slot like any other; a longer list is refused.
+MAX_BATCH_PROMPTS = 256
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 
 
@@ -124,10 +127,12 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    # A batch of one (a list of one string or of one list of ids) is taken as its prompt: lm-evaluation-harness
-    # sends its token ids so.
-    prompt: (str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    # A string, a list of token ids, or a batch of either (OpenAI's API): each of a batch's prompts gets a choice
+    # of its own, `index` its place in the list.
+    prompt: (str | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_BATCH_PROMPTS)])
     echo: bool = False  # the prompt's text before the completion's (and, with logprobs, its tokens' logprobs)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
@@ -147,10 +152,11 @@ class CompletionRequest(_Generation):
     def prompt_logprob_count(self) -> int | None:
         return self.logprobs if self.echo else None  # echo with logprobs: the prompt's tokens get them too
 
-    def prompt_input(self) -> str | list[int]:
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The request's prompts, one per choice."""
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
-            return self.prompt[0]
-        return self.prompt
+            return list(self.prompt)
+        return [self.prompt]
 
 
 class TokenizeRequest(Strict):
@@ -217,7 +223,8 @@ def parse_body(raw: bytes, schema: type[Strict]) -> Any:
 
 # Fields whose union types make pydantic's own messages (one per member tried) hard to read.
 FIELD_HINTS = {
-    "prompt": "must be a string, a non-empty list of token ids, or a list of one of them (no batches)",
+    "prompt": (f"must be a string, a non-empty list of token ids, or a list of 1 to {MAX_BATCH_PROMPTS} of "
+               "either (all of one kind)"),
     "stop": "must be a string or a list of at most 16 strings",
 }
 
