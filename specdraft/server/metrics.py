@@ -77,8 +77,14 @@ class ServerMetrics:
                              ITL_BUCKETS).labels(**labels)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS).labels(
             **labels)
+        self._state: tuple[int, int, int, int] | None = None
 
     def set_state(self, running: int, waiting: int, slots_in_use: int, max_batch: int) -> None:
+        """The gauges, set only when they change: the engine thread calls this twice a round."""
+        state = (running, waiting, slots_in_use, max_batch)
+        if state == self._state:
+            return
+        self._state = state
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(slots_in_use / max_batch)
@@ -106,6 +112,8 @@ class ServerMetrics:
 
     def observe_spec(self, seen: SpecSnapshot, metrics: SpecMetrics) -> None:
         """Count what the request's metrics gained since `seen`, and move `seen` up to them."""
+        if metrics.speculative_rounds == seen.drafts:  # no draft verified since: nothing else moved either
+            return
         self.drafts.inc(metrics.speculative_rounds - seen.drafts)
         self.draft_tokens.inc(metrics.drafted - seen.draft_tokens)
         self.accepted.inc(metrics.accepted - seen.accepted)
