@@ -487,6 +487,10 @@ def _malformed() -> list[tuple[str, bytes, str]]:
         (COMPLETIONS, comp(prompt=[1.5]), "prompt"), (COMPLETIONS, comp(suffix="x"), "suffix"),
         (COMPLETIONS, comp(prompt=["a"] * (MAX_BATCH_PROMPTS + 1)), "prompt"),
         (COMPLETIONS, comp(prompt=[[1], []]), "prompt"), (COMPLETIONS, comp(prompt=[[]]), "prompt"),
+        (COMPLETIONS, comp(best_of=3), "best_of"), (CHAT, chat(response_format={"type": "json_object"}), "json_object"),
+        (CHAT, chat(response_format={"type": "yaml"}), "response_format"),
+        (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (CHAT, chat(tool_choice="required"), "tool_choice"),
         (COMPLETIONS, comp(echo=1), "echo"),
         (COMPLETIONS, comp(max_tokens=10**9), "context"), (COMPLETIONS, comp(bogus=None), "unknown field"),
         (COMPLETIONS, json.dumps({"model": NAME}).encode(), "prompt"),
@@ -521,6 +525,18 @@ def test_200_malformed_requests_get_4xx_with_a_message_and_the_server_stays_corr
     assert engine.free_slots == engine.max_batch
     got = chat_text(url, "abcabc", 10).json()["choices"][0]["message"]["content"]
     assert_greedy(got, reference(target, tokenizer, tokenizer.encode("abcabc|"), 10))
+
+
+def test_openai_fields_at_their_neutral_values_are_accepted(server):
+    """Clients that send OpenAI's defaults explicitly (a text response format, no tools, best_of 1) get the
+    answer they would get without them."""
+    url, _ = server
+    plain = chat_text(url, "abcabc", 6).json()["choices"][0]["message"]["content"]
+    response = chat_text(url, "abcabc", 6, response_format={"type": "text"}, tools=[], tool_choice="none",
+                         parallel_tool_calls=True)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == plain
+    done = client(url).completions.create(model=NAME, prompt="abc", max_tokens=3, temperature=0, best_of=1)
+    assert len(done.choices[0].text) == 3
 
 
 def test_context_overflow_and_unknown_model_errors(server):

@@ -2,8 +2,8 @@
 
 Schemas are strict (`"0.5"` is not a number, `true` is not an integer) and closed (an unknown field is an
 error): a misspelt `max_token` that silently fell back to a default would be a worse bug than a 400. Fields
-of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`, no
-`suffix`) and refused otherwise, with a message saying so.
+of OpenAI's API that this server cannot honour are accepted only at their neutral value (`n=1`, `best_of=1`,
+no `suffix`, a `text` response format, no tools) and refused otherwise, with a message saying so.
 """
 
 from __future__ import annotations
@@ -97,14 +97,31 @@ class _Generation(Strict):
         return out
 
 
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Accepted at their neutral values only (clients that send their defaults explicitly): plain text, no tools.
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(("response_format", f"response_format {self.response_format.type!r} is not supported: "
+                                           "this server generates plain text only"))
+        if self.tools:
+            out.append(("tools", "tools are not supported: this server does not call functions"))
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool_choice must be 'none' or 'auto' (no tools are supported)"))
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -136,11 +153,15 @@ class CompletionRequest(_Generation):
     echo: bool = False  # the prompt's text before the completion's (and, with logprobs, its tokens' logprobs)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
+    best_of: int | None = None  # accepted at its neutral value, 1
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", f"best_of={self.best_of} is not supported: this server returns one choice per "
+                                   "prompt"))
         return out
 
     def token_budget(self) -> int | None:
