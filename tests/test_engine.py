@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,6 +109,33 @@ def test_greedy_identity(name, dtype, adaptive):
         if name == "draft=target" and adaptive is FIXED:
             assert got.metrics.acceptance_rate == 1.0
     assert spec.totals.drafted > 0, "the drafter never drafted: the test would prove nothing"
+
+
+@pytest.mark.parametrize("tree", [0, 6])
+def test_a_prediction_speeds_up_the_output_it_predicts_and_changes_no_token(target, tree):
+    """Predicted Outputs through the ngram drafter: the plain output as the prediction is accepted almost
+    whole; an edited or a random prediction changes nothing either; token ids are checked, chains and trees."""
+    plain = engine(target)
+    spec = Engine(target, ToyTokenizer(VOCAB), NgramDrafter(), 4, FIXED, max_model_len=256, tree=tree)
+    g = torch.Generator().manual_seed(5)
+    for ids in prompts(4, seed=3):
+        expected = plain.generate(ids, SamplingParams(temperature=0, max_tokens=40)).token_ids
+        edited = expected[:10] + [(t + 1) % VOCAB for t in expected[10:14]] + expected[14:]
+        noise = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+        accepted = {}
+        for name, prediction in (("none", None), ("exact", expected), ("edited", edited), ("noise", noise)):
+            got = spec.generate(ids, SamplingParams(temperature=0, max_tokens=40, prediction=prediction))
+            assert got.token_ids == expected, f"prediction {name} changed the output for prompt {ids}"
+            accepted[name] = got.metrics.accepted
+        assert accepted["exact"] >= 30 and accepted["exact"] > accepted["none"]
+        assert accepted["edited"] >= 20
+
+
+def test_a_prediction_out_of_the_vocabulary_is_refused(target):
+    with pytest.raises(SpecdraftError, match="prediction token ids"):
+        engine(target, NgramDrafter()).generate([1, 2], SamplingParams(max_tokens=2, prediction=[VOCAB]))
+    with pytest.raises(SpecdraftError, match="prediction must be"):
+        SamplingParams(prediction=[-1])
 
 
 def test_metrics_with_an_always_right_drafter(target):
@@ -232,8 +260,7 @@ def sample_joint(eng: Engine, params: SamplingParams, n: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     seeds = torch.randint(0, 2**62, (n,), generator=generator).tolist()
     # max_tokens 3: the round after prefill drafts one token, so token 2 passes through verification.
-    requests = [SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                               min_p=params.min_p, max_tokens=3, seed=seed) for seed in seeds]
+    requests = [replace(params, max_tokens=3, seed=seed) for seed in seeds]
     for result in eng.generate_many([PROMPT] * n, requests):
         first, second = result.token_ids[:2]
         counts[first * VOCAB + second] += 1
@@ -279,6 +306,29 @@ def test_speculative_sampling_matches_target_distribution(small_pair, setting):
     ok, p_value, tv = matches(counts, exact_joint(target, params))
     assert spec.totals.drafted == NUM_SAMPLES and 0 < spec.totals.accepted < NUM_SAMPLES
     assert ok, f"{setting}: speculative sampling differs from the target (p={p_value:.2e}, TV={tv:.4f})"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["verifier", "planted-bug"])
+def test_sampling_with_a_prediction_keeps_the_target_distribution(small_pair, monkeypatch, broken):
+    """A prediction holding every token twice: the round after prefill always finds the first token in it and
+    drafts what follows there, so token 2 always passes through a deterministic draft's verification. The
+    planted bug (the residual ignored after a rejection, on one-hot drafts) must be caught."""
+    target, _ = small_pair
+    if broken:
+        def broken_one_hot(draft_tokens, draft_probs, target_probs, generator=None):
+            if draft_probs is None:
+                draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
+            return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
+        monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_one_hot)
+    params = SamplingParams(temperature=0.8, prediction=list(range(VOCAB)) * 2)
+    spec = engine(target, NgramDrafter(), k=1, max_len=64, max_batch=BATCH)
+    n = NUM_SAMPLES // 4 if broken else NUM_SAMPLES
+    ok, p_value, tv = matches(sample_joint(spec, params, n), exact_joint(target, params))
+    assert spec.totals.drafted == n and 0 < spec.totals.accepted < n
+    if broken:
+        assert not ok and p_value < 1e-6, f"broken verifier not caught (p={p_value:.2e}, TV={tv:.4f})"
+    else:
+        assert ok, f"sampling with a prediction differs from the target (p={p_value:.2e}, TV={tv:.4f})"
 
 
 def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=None):

@@ -422,3 +422,50 @@ def test_continuations_count_each_occurrence_once_with_its_longest_match() -> No
     base, decay = NgramIndex.MATCH_BASE, NgramIndex.RECENCY_DECAY
     assert index.continuations(2) == [([5, 6], base**2), ([3, 4], base**2 * decay)]
     assert index.continuations(5) == [([5, 6, 1, 2], base**2), ([3, 4, 1, 2, 5], base**2 * decay)]
+
+
+# ---------------------------------------------------------------------------------------- predicted outputs
+
+
+def predicted(prompt: Sequence[int], prediction: Sequence[int], max_n: int = 3) -> NgramDrafter:
+    drafter = NgramDrafter(max_n=max_n)
+    drafter.add_request(DraftRequest(0, list(prompt), SamplingParams(temperature=0.0, prediction=prediction), None))
+    return drafter
+
+
+def test_a_prediction_is_drafted_from_its_start_then_wherever_the_output_matches_it() -> None:
+    prompt, prediction = [1, 2, 3], [7, 8, 9, 10, 11]
+    drafter = predicted(prompt, prediction)
+    assert drafter.propose([0], [prompt], [3])[0].tokens == [7, 8, 9]  # the output's start: the prediction's
+    # the output replaced 8 by 5, then went on as predicted: the match on 9 resumes the prediction
+    assert drafter.propose([0], [prompt + [7, 5, 9]], [3])[0].tokens == [10, 11]
+    assert drafter.match_length(0, prompt + [7, 5, 9]) == 1
+    drafter.remove_request(0)
+    assert not drafter._predictions
+    # (a request's context only grows: another output, another request)
+    # nothing of the prediction matches: the context's own lookup, as without one
+    context = prompt + [4, 5, 4]
+    drafter = predicted(prompt, prediction)
+    assert drafter.propose([0], [context], [3])[0].tokens == [5, 4]
+    drafter.remove_request(0)
+    assert not drafter._predictions
+
+
+def test_the_longer_match_wins_between_the_context_and_the_prediction() -> None:
+    prompt = [5, 6, 7, 8, 1, 2]
+    drafter = predicted(prompt, [6, 20, 21])
+    # the prompt's suffix "1 2" occurred nowhere before; the prediction index holds the prompt's last tokens
+    # then the prediction, so the output's first tokens are the prediction's
+    assert drafter.propose([0], [prompt], [3])[0].tokens == [6, 20, 21]
+    # after "5 6": a 2-token match in the context (followed by 7 8), a 1-token one in the prediction (6 20)
+    context = prompt + [5, 6]
+    drafter = predicted(prompt, [6, 20, 21])
+    assert drafter.propose([0], [context], [2])[0].tokens == [7, 8]
+    assert drafter.match_length(0, context) == 2
+
+
+def test_a_tree_with_a_prediction_holds_both_continuations() -> None:
+    prompt = [5, 6, 7, 8, 1, 2]
+    drafter = predicted(prompt, [6, 20, 21])
+    proposal = drafter.propose([0], [prompt + [5, 6]], [2], [4])[0]
+    assert first_path(proposal) == [7, 8] and 20 in proposal.tokens

@@ -539,6 +539,28 @@ def test_openai_fields_at_their_neutral_values_are_accepted(server):
     assert len(done.choices[0].text) == 3
 
 
+def test_a_prediction_gives_the_same_text_and_is_drafted_from(server, target, tokenizer):
+    """OpenAI's Predicted Outputs (`prediction`): the answer is the one without it, token for token; with the
+    answer itself predicted, the ngram drafter's drafts come from it (more tokens per forward)."""
+    url, _ = server
+    expected = reference(target, tokenizer, tokenizer.encode("xyzq|"), 30)
+    alone = chat_text(url, "xyzq", 30).json()
+    predicted = chat_text(url, "xyzq", 30, prediction={"type": "content", "content": expected}).json()
+    parts = chat_text(url, "xyzq", 30, prediction={"type": "content",
+                                                    "content": [{"type": "text", "text": expected[:9]},
+                                                                {"type": "text", "text": expected[9:]}]}).json()
+    for answer in (alone, predicted, parts):
+        assert_greedy(answer["choices"][0]["message"]["content"], expected)
+    assert predicted["usage"]["mean_accepted_length"] > alone["usage"]["mean_accepted_length"]
+    streamed, _ = stream_chat(url, "xyzq", 30)
+    assert_greedy(streamed, expected)
+    done = client(url).completions.create(model=NAME, prompt="xyz", max_tokens=5, temperature=0,
+                                          extra_body={"prediction": {"type": "content", "content": "hello"}})
+    assert len(done.choices[0].text) == 5
+    bad = chat_text(url, "xyzq", 3, prediction={"type": "file", "content": "x"})
+    assert bad.status_code == 400 and "prediction" in bad.json()["error"]["message"]
+
+
 def test_context_overflow_and_unknown_model_errors(server):
     url, _ = server
     response = chat_text(url, "abc", 10**6)

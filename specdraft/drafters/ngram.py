@@ -9,6 +9,11 @@ larger than the depth it proposes a tree instead (`NgramIndex.lookup_tree`): whe
 different text at different places, the target can accept whichever of them it agrees with, at the price of
 a wider verification forward only.
 
+A request with a `prediction` (OpenAI's Predicted Outputs: text the output is expected to repeat) gets a second
+index over the prediction, placed after the prompt's last tokens so that the output's first tokens match its
+start; a lookup takes the longer of the two matches, the prediction's on a tie, and a tree merges both indexes'
+continuations.
+
 The index is incremental because `propose` runs once per decoding step: rescanning the whole context each
 time would make a request quadratic in its length. The context only grows within a request, so only its new
 tail ever needs indexing.
@@ -23,6 +28,9 @@ from specdraft.drafters.base import ROOT, DraftRequest, Proposal, Verified, node
 
 # `NgramIndex.prev` entry of an occurrence with no earlier one (or of a position where no n-gram ends).
 NO_OCCURRENCE = -1
+# Occurrences of a suffix in a prediction weighed for where the output stands (`NgramDrafter._aligned`): a
+# phrase that recurs more often in a long prediction is found at one of its latest this many places.
+PREDICTION_OCCURRENCES = 256
 
 
 class NgramIndex:
@@ -107,6 +115,15 @@ class NgramIndex:
             if end is not None:
                 return n, end
         return 0, NO_OCCURRENCE
+
+    def match_of(self, query: Sequence[int]) -> int:
+        """How many of `query`'s last tokens (at most max_n) occur in this index (0: none): a lookup in
+        someone else's index, as `continuations(query=...)`."""
+        suffix = [int(t) for t in query[-self.max_n:]]
+        for n in sorted(self.tables, reverse=True):
+            if n <= len(suffix) and tuple(suffix[len(suffix) - n:]) in self.tables[n]:
+                return n
+        return 0
 
     def lookup(self, max_k: int) -> list[int]:
         """The continuation of the latest earlier occurrence of the longest indexed suffix (n from max down)."""
@@ -245,11 +262,21 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_occurrences = max_occurrences
         self._indexes: dict[int, NgramIndex] = {}
+        self._predictions: dict[int, NgramIndex] = {}  # request id -> index of its prediction, where it has one
+        self._offsets: dict[int, int] = {}  # request id -> prediction index position - output position
 
     def add_request(self, request: DraftRequest) -> None:
-        """Sampling params and the generator are irrelevant: lookup never samples."""
+        """The generator is irrelevant (lookup never samples); of the sampling params only the prediction
+        counts."""
         index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n, self.max_occurrences)
         index.sync(request.prompt_ids)
+        prediction = request.params.prediction
+        if prediction:  # token ids (the engine tokenizes a text)
+            predicted = self._predictions[request.request_id] = NgramIndex(self.min_n, self.max_n,
+                                                                          self.max_occurrences)
+            tail = request.prompt_ids[-self.max_n:]
+            predicted.extend([*tail, *prediction])
+            self._offsets[request.request_id] = len(tail) - len(request.prompt_ids)  # prompt's end: tail's end
 
     def propose(self, request_ids: Sequence[int], contexts: Sequence[Sequence[int]], max_ks: Sequence[int],
                 max_nodes: Sequence[int | None] | None = None) -> list[Proposal]:
@@ -260,7 +287,12 @@ class NgramDrafter:
         for request_id, context, max_k, budget in zip(request_ids, contexts, max_ks, budgets):
             index = self._indexes[request_id]
             index.sync(context)
-            proposals.append(Proposal([]) if max_k <= 0 else self._propose_one(index, context, max_k, budget))
+            if max_k <= 0:
+                proposals.append(Proposal([]))
+            elif request_id in self._predictions:
+                proposals.append(self._propose_predicted(request_id, index, context, max_k, budget))
+            else:
+                proposals.append(self._propose_one(index, context, max_k, budget))
         return proposals
 
     def _propose_one(self, index: NgramIndex, context: Sequence[int], max_k: int, budget: int | None) -> Proposal:
@@ -268,6 +300,36 @@ class NgramDrafter:
         if budget is None or budget == max_k:
             return Proposal(index.lookup(max_k))
         return index.lookup_tree(max_k, budget)
+
+    def _propose_predicted(self, request_id: int, index: NgramIndex, context: Sequence[int], max_k: int,
+                           budget: int | None) -> Proposal:
+        """A request with a prediction: the prediction's continuation where the context's suffix matches it
+        at least as long as it matches the context itself, else the context's own lookup; a tree adds the
+        context's continuations to the prediction's (or the other way round) (`tree_from_continuations`)."""
+        n, chain = self._aligned(request_id, self._predictions[request_id], context, max_k)
+        first = bool(chain) and n >= index.longest_match()[0]
+        if budget is None or budget <= max_k:  # a chain: one of the two lookups
+            limit = max_k if budget is None else budget
+            return Proposal(chain[:limit] if first else index.lookup(limit))
+        from_context = index.continuations(max_k)
+        predicted = [(chain, NgramIndex.MATCH_BASE ** n)] if chain else []
+        return tree_from_continuations(predicted + from_context if first else from_context + predicted, budget)
+
+    def _aligned(self, request_id: int, predicted: NgramIndex, context: Sequence[int], max_k: int
+                 ) -> tuple[int, list[int]]:
+        """(n, continuation) of the context's longest suffix found in the prediction, at the occurrence nearest
+        where the output stands in it: not the latest occurrence, as in the context, because a prediction is
+        read in order and a common phrase recurs in it. Where the output stands is its position plus the
+        offset of the last match, so text the output inserted or left out moves it along."""
+        n = predicted.match_of(context)
+        if not n:
+            return 0, []
+        here = len(context) - 1
+        expected = here + self._offsets[request_id]
+        ends = predicted.occurrences(list(context[-n:]), limit=PREDICTION_OCCURRENCES)
+        end = min(ends, key=lambda e: (abs(e - expected), e))
+        self._offsets[request_id] = end - here
+        return n, predicted.tokens[end + 1:end + 1 + max_k]
 
     def guess(self, request_id: int, context: Sequence[int], drafted: Sequence[int], max_k: int) -> list[int]:
         """A chain of up to `max_k` tokens that continues `context` + `drafted`, where `drafted` is what a
@@ -283,11 +345,12 @@ class NgramDrafter:
         return found[0][0] if found else []
 
     def match_length(self, request_id: int, context: Sequence[int]) -> int:
-        """How many tokens of the context's end occurred before (0: none; at most max_n): the evidence behind
-        this request's next proposal."""
+        """How many tokens of the context's end occurred before, or occur in the request's prediction (0: none;
+        at most max_n): the evidence behind this request's next proposal."""
         index = self._indexes[request_id]
         index.sync(context)
-        return index.longest_match()[0]
+        predicted = self._predictions.get(request_id)
+        return max(index.longest_match()[0], predicted.match_of(context) if predicted else 0)
 
     def observe(self, request_id: int, verified: Verified) -> None:
         """Indexing here keeps `propose` cheap; the new context says it all."""
@@ -295,3 +358,5 @@ class NgramDrafter:
 
     def remove_request(self, request_id: int) -> None:
         self._indexes.pop(request_id, None)
+        self._predictions.pop(request_id, None)
+        self._offsets.pop(request_id, None)

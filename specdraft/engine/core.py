@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -192,6 +192,8 @@ class Engine:
             raise SpecdraftError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidParameterError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if params.prediction and not isinstance(params.prediction, str) and max(params.prediction) >= vocab:
+            raise InvalidParameterError(f"prediction token ids must be in [0, {vocab}), got {max(params.prediction)}")
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ContextOverflowError(
@@ -205,6 +207,8 @@ class Engine:
         self.validate(prompt_ids, params)
         if not self._free_slots:
             raise SpecdraftError(f"all {self.max_batch} slots are busy: wait for a request to finish")
+        if isinstance(params.prediction, str):  # drafters read token ids: the text as the output would spell it
+            params = replace(params, prediction=self.tokenizer.encode(params.prediction, add_special_tokens=False))
         generator = torch.Generator()
         if params.seed is not None:
             generator.manual_seed(params.seed)

@@ -63,6 +63,16 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class Prediction(Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (the `ngram` drafter drafts from it)."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _Generation(Strict):
     """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty and ignore_eos)."""
 
@@ -83,6 +93,7 @@ class _Generation(Strict):
     repetition_penalty: float | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=300)] | None = None  # OpenAI's limit: 300 tokens
     ignore_eos: bool = False
+    prediction: Prediction | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, reason) for values this server cannot honour."""
@@ -301,7 +312,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, default_
             prompt_logprobs=request.prompt_logprob_count(),
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
-            logit_bias={int(token): bias for token, bias in request.logit_bias.items()} if request.logit_bias else None)
+            logit_bias={int(token): bias for token, bias in request.logit_bias.items()} if request.logit_bias else None,
+            prediction=(request.prediction.text() or None) if request.prediction else None)
     except InvalidParameterError as exc:
         message = str(exc)
         param = sampling_field(message)

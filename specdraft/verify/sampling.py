@@ -48,8 +48,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
+    prediction: str | Sequence[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            object.__setattr__(self, "prediction", tuple(self.prediction))
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         if isinstance(self.stop, str):
@@ -85,6 +88,9 @@ class SamplingParams:
                 isinstance(k, int) and not isinstance(k, bool) and k >= 0 and _number(v) and abs(v) <= 100
                 for k, v in self.logit_bias.items())),
              "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]"),
+            (self.prediction is None or isinstance(self.prediction, str) or all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction),
+             "prediction must be text or a list of token ids (integers >= 0)"),
         ]
         for ok, message in checks:
             if not ok:
