@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_residual_verify, exact_joint, matches, sample_joint
+from test_engine import BATCH, FIXED, NUM_SAMPLES, VOCAB, broken_verify_any_draft, exact_joint, matches, sample_joint
 from tiny_models import ToyTokenizer, tiny_model
 
 import specdraft.verify.batch as verify_batch_module
@@ -20,7 +20,6 @@ from specdraft.drafters.cross_tokenizer import (
 from specdraft.drafters.draft_model import ModelDrafter, tokenizers_match
 from specdraft.engine.core import Engine
 from specdraft.verify.greedy import common_prefix
-from specdraft.verify.rejection import one_hot_probs
 from specdraft.verify.sampling import SamplingParams
 
 
@@ -212,13 +211,6 @@ def test_a_draft_equal_to_the_target_is_accepted_through_the_text_round_trip(tar
     assert spec.totals.drafted > 20 and spec.totals.accepted / spec.totals.drafted > 0.9
 
 
-def one_hot_broken_verify(draft_tokens, draft_probs, target_probs, generator=None):
-    """The planted residual bug of test_engine, for deterministic (one-hot) drafts."""
-    if draft_probs is None:
-        draft_probs = one_hot_probs(draft_tokens, target_probs.shape[-1])
-    return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
-
-
 def test_sampled_trees_match_the_target_distribution(target, pair_draft):
     """As below, with the draft's trees turned into target tries of up to 7 nodes (verified after the
     prefill's token by the multi-candidate rule for one-hot drafts)."""
@@ -235,7 +227,7 @@ def test_sampling_matches_the_target_distribution(target, pair_draft, monkeypatc
     """20,000 seeded requests at temperature 1: the first two tokens' joint law equals the target's, and the
     same check rejects a verifier that resamples from the target instead of the residual."""
     if broken:
-        monkeypatch.setattr(verify_batch_module, "rejection_verify", one_hot_broken_verify)
+        monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_verify_any_draft)
     params = SamplingParams(temperature=1.0)
     spec = engine(target, toy_drafter(pair_draft, max_batch=BATCH, max_len=64), k=1, max_batch=BATCH, max_len=64)
     samples = NUM_SAMPLES // 2 if broken else NUM_SAMPLES

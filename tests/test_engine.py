@@ -19,6 +19,7 @@ from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import BONUS, CORRECTION, DRAFT, Engine
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.verify import batch as verify_batch_module
+from specdraft.verify.rejection import one_hot_probs
 from specdraft.verify.sampling import SamplingParams
 
 VOCAB = 16
@@ -315,11 +316,7 @@ def test_sampling_with_a_prediction_keeps_the_target_distribution(small_pair, mo
     planted bug (the residual ignored after a rejection, on one-hot drafts) must be caught."""
     target, _ = small_pair
     if broken:
-        def broken_one_hot(draft_tokens, draft_probs, target_probs, generator=None):
-            if draft_probs is None:
-                draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
-            return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
-        monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_one_hot)
+        monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_verify_any_draft)
     params = SamplingParams(temperature=0.8, prediction=list(range(VOCAB)) * 2)
     spec = engine(target, NgramDrafter(), k=1, max_len=64, max_batch=BATCH)
     n = NUM_SAMPLES // 4 if broken else NUM_SAMPLES
@@ -347,6 +344,13 @@ def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=No
     rows = target_probs[torch.arange(batch), accepted_len]
     out[torch.arange(batch), accepted_len] = sample(rows, generator)
     return accepted_len, out
+
+
+def broken_verify_any_draft(draft_tokens, draft_probs, target_probs, generator=None):
+    """`broken_residual_verify` for deterministic drafts too (a lookup's, a prediction's: one-hot)."""
+    if draft_probs is None:
+        draft_probs = one_hot_probs(draft_tokens, target_probs.shape[-1])
+    return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
 
 
 def test_distribution_test_catches_a_broken_verifier(small_pair, monkeypatch):

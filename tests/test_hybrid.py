@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eagle import PROMPTS, random_head
-from test_engine import BATCH, FIXED, NUM_SAMPLES, PROMPT, VOCAB, broken_residual_verify, exact_joint, matches
+from test_engine import BATCH, FIXED, NUM_SAMPLES, PROMPT, VOCAB, broken_verify_any_draft, exact_joint, matches
 from test_engine import sample_joint as sample_joint_of
 from tiny_models import ToyTokenizer, tiny_model
 
@@ -93,13 +93,6 @@ def test_sampled_distribution_matches_the_target(small_pair):
     assert 0 < spec.totals.accepted < spec.totals.drafted
     assert ok, f"hybrid speculative sampling differs from the target (p={p_value:.2e}, TV={tv:.4f})"
     assert PROMPT == [3, 7, 1]
-
-
-def broken_verify_any_draft(draft_tokens, draft_probs, target_probs, generator=None):
-    """test_engine's planted bug (the residual ignored after a rejection), for the lookup's one-hot drafts too."""
-    if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
-    return broken_residual_verify(draft_tokens, draft_probs, target_probs, generator)
 
 
 def test_distribution_test_catches_a_broken_verifier(small_pair, monkeypatch):

@@ -11,8 +11,9 @@ a wider verification forward only.
 
 A request with a `prediction` (OpenAI's Predicted Outputs: text the output is expected to repeat) gets a second
 index over the prediction, placed after the prompt's last tokens so that the output's first tokens match its
-start; a lookup takes the longer of the two matches, the prediction's on a tie, and a tree merges both indexes'
-continuations.
+start. A lookup there takes the occurrence nearest where the output stands in the prediction (not the latest:
+a prediction is read in order); the draft is the prediction's continuation where its match is at least as long
+as the context's own, else the context's; a tree merges both indexes' continuations.
 
 The index is incremental because `propose` runs once per decoding step: rescanning the whole context each
 time would make a request quadratic in its length. The context only grows within a request, so only its new

@@ -60,7 +60,12 @@ class ChatMessage(Strict):
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return joined(self.content)
+
+
+def joined(content: str | list[TextPart]) -> str:
+    """A message's (or a prediction's) content as one text: a string, or its parts' texts one after another."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 class Prediction(Strict):
@@ -70,7 +75,7 @@ class Prediction(Strict):
     content: str | Annotated[list[TextPart], Field(min_length=1)]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return joined(self.content)
 
 
 class _Generation(Strict):
