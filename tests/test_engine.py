@@ -319,13 +319,19 @@ def test_sampling_with_a_prediction_keeps_the_target_distribution(small_pair, mo
         monkeypatch.setattr(verify_batch_module, "rejection_verify", broken_verify_any_draft)
     params = SamplingParams(temperature=0.8, prediction=list(range(VOCAB)) * 2)
     spec = engine(target, NgramDrafter(), k=1, max_len=64, max_batch=BATCH)
-    n = NUM_SAMPLES // 4 if broken else NUM_SAMPLES
+    assert_law_or_caught(spec, target, params, NUM_SAMPLES // 4 if broken else NUM_SAMPLES, broken,
+                         "sampling with a prediction")
+
+
+def assert_law_or_caught(spec: Engine, target, params: SamplingParams, n: int, broken: bool, what: str) -> None:
+    """n requests, each drafting once: the first two tokens' law is the target's, or, with a planted bug in
+    the verifier (`broken`), the check rejects it."""
     ok, p_value, tv = matches(sample_joint(spec, params, n), exact_joint(target, params))
     assert spec.totals.drafted == n and 0 < spec.totals.accepted < n
     if broken:
         assert not ok and p_value < 1e-6, f"broken verifier not caught (p={p_value:.2e}, TV={tv:.4f})"
     else:
-        assert ok, f"sampling with a prediction differs from the target (p={p_value:.2e}, TV={tv:.4f})"
+        assert ok, f"{what} differs from the target (p={p_value:.2e}, TV={tv:.4f})"
 
 
 def broken_residual_verify(draft_tokens, draft_probs, target_probs, generator=None):
