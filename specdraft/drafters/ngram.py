@@ -108,14 +108,8 @@ class NgramIndex:
     def longest_match(self) -> tuple[int, int]:
         """(n, end) of the longest indexed suffix of the context that occurred before, with the end position of
         its latest earlier occurrence; (0, NO_OCCURRENCE) when no suffix did."""
-        tokens, length = self.tokens, len(self.tokens)
-        for n in sorted(self.tables, reverse=True):
-            if n > length:
-                continue
-            end = self.tables[n].get(tuple(tokens[length - n:]))
-            if end is not None:
-                return n, end
-        return 0, NO_OCCURRENCE
+        n = self.match_of(self.tokens)  # the suffix itself is never indexed: a match is an earlier occurrence
+        return (n, self.tables[n][tuple(self.tokens[-n:])]) if n else (0, NO_OCCURRENCE)
 
     def match_of(self, query: Sequence[int]) -> int:
         """How many of `query`'s last tokens (at most max_n) occur in this index (0: none): a lookup in

@@ -395,7 +395,7 @@ class ChoiceEvents:
     def __init__(self, tickets: list[Ticket]) -> None:
         self.count = len(tickets)
         self._single = tickets[0] if len(tickets) == 1 else None
-        self._merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._merged: asyncio.Queue[tuple[int, Event]] | None = None if self._single else asyncio.Queue()
         self._tasks = [] if self._single else [asyncio.create_task(self._forward(i, t)) for i, t in enumerate(tickets)]
 
     async def _forward(self, index: int, ticket: Ticket) -> None:
