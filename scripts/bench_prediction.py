@@ -51,6 +51,7 @@ def main() -> None:
     engines["ngram + prediction"] = engines["ngram"]
     outputs: dict[str, list[list[int]]] = {}
     forwards = {name: [0, 0] for name in engines}  # tokens, target forwards
+    predicted = [0, 0]  # the prediction's draft tokens accepted, rejected (OpenAI's usage figures)
 
     def decode(name: str) -> float:
         engine = engines[name]
@@ -64,6 +65,8 @@ def main() -> None:
             got.append(result.token_ids)
             forwards[name][0] += result.metrics.produced_tokens
             forwards[name][1] += result.metrics.target_forwards
+            predicted[0] += result.metrics.prediction_accepted
+            predicted[1] += result.metrics.prediction_drafted - result.metrics.prediction_accepted
         if outputs.setdefault(name, got) != got or got != outputs.get("plain", got):
             raise SystemExit(f"{name}: the output differs from plain decoding's")
         return tokens / (time.perf_counter() - start)
@@ -72,6 +75,7 @@ def main() -> None:
     print_rates("greedy decoding of the editing tasks", rates, "tok/s")
     print("tokens per target decode forward: " + ", ".join(
         f"{name} {tokens / count:.2f}" for name, (tokens, count) in forwards.items() if count))
+    print(f"the prediction's draft tokens, all passes: {predicted[0]} accepted, {predicted[1]} rejected")
     print(f"outputs identical to plain decoding's in every pass ({sum(len(o) for o in outputs['plain'])} tokens)")
 
 

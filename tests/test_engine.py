@@ -17,6 +17,7 @@ from specdraft.drafters.quant import make_quant_drafter
 from specdraft.drafters.self_draft import make_self_drafter
 from specdraft.engine.adaptive import AdaptiveConfig
 from specdraft.engine.core import BONUS, CORRECTION, DRAFT, Engine
+from specdraft.engine.metrics import SpecMetrics
 from specdraft.errors import ContextOverflowError, SpecdraftError
 from specdraft.verify import batch as verify_batch_module
 from specdraft.verify.rejection import one_hot_probs
@@ -123,13 +124,34 @@ def test_a_prediction_speeds_up_the_output_it_predicts_and_changes_no_token(targ
         expected = plain.generate(ids, SamplingParams(temperature=0, max_tokens=40)).token_ids
         edited = expected[:10] + [(t + 1) % VOCAB for t in expected[10:14]] + expected[14:]
         noise = torch.randint(0, VOCAB, (40,), generator=g).tolist()
-        accepted = {}
+        accepted, from_prediction = {}, {}
         for name, prediction in (("none", None), ("exact", expected), ("edited", edited), ("noise", noise)):
             got = spec.generate(ids, SamplingParams(temperature=0, max_tokens=40, prediction=prediction))
             assert got.token_ids == expected, f"prediction {name} changed the output for prompt {ids}"
-            accepted[name] = got.metrics.accepted
+            m = got.metrics
+            accepted[name] = m.accepted
+            from_prediction[name] = m.prediction_accepted
+            assert m.prediction_accepted <= min(m.prediction_drafted, m.accepted)
         assert accepted["exact"] >= 30 and accepted["exact"] > accepted["none"]
         assert accepted["edited"] >= 20
+        # the prediction's own drafts: none without one, most of the output with the output itself
+        assert from_prediction["none"] == 0 and from_prediction["exact"] >= 30
+        assert from_prediction["edited"] >= 15 and from_prediction["edited"] > from_prediction["noise"]
+
+
+def test_merged_metrics_add_up_every_counter():
+    """`SpecMetrics.merge` (totals over requests) sums every count and time, the prediction's included."""
+    first, second = SpecMetrics(), SpecMetrics()
+    first.record_round(3, 2)
+    second.record_round(4, 1, num_nodes=6)
+    for i, name in enumerate(("prompt_tokens", "prediction_drafted", "prediction_accepted", "total_time")):
+        setattr(first, name, i + 1)
+        setattr(second, name, 10 * (i + 1))
+    total = first.merge(second)
+    assert (total.prompt_tokens, total.prediction_drafted, total.prediction_accepted, total.total_time) == (
+        11, 22, 33, 44)
+    assert (total.drafted, total.accepted, total.draft_nodes, total.tree_rounds) == (7, 3, 9, 1)
+    assert total.drafted_per_position == [2, 2, 2, 1] and total.accepted_per_position == [2, 1, 0, 0]
 
 
 def test_a_prediction_out_of_the_vocabulary_is_refused(target):

@@ -469,3 +469,21 @@ def test_a_tree_with_a_prediction_holds_both_continuations() -> None:
     drafter = predicted(prompt, [6, 20, 21])
     proposal = drafter.propose([0], [prompt + [5, 6]], [2], [4])[0]
     assert first_path(proposal) == [7, 8] and 20 in proposal.tokens
+    # the prediction's nodes are marked (the usage's accepted / rejected prediction tokens count them)
+    assert [t for t, mark in zip(proposal.tokens, proposal.predicted) if mark] == [20, 21][:sum(proposal.predicted)]
+    assert proposal.predicted[proposal.tokens.index(20)] and not any(
+        mark for t, mark in zip(proposal.tokens, proposal.predicted) if t in (7, 8))
+
+
+def test_drafts_from_the_prediction_are_marked_and_the_marks_survive_truncation() -> None:
+    prompt = [1, 2, 3]
+    drafter = predicted(prompt, [7, 8, 9, 10, 11])
+    chain = drafter.propose([0], [prompt], [4])[0]
+    assert chain.tokens == [7, 8, 9, 10] and chain.predicted == [True] * 4
+    assert chain.truncated(2).predicted == [True, True]
+    from_context = drafter.propose([0], [prompt + [4, 5, 4]], [3])[0]  # nothing of the prediction matches
+    assert from_context.tokens == [5, 4] and from_context.predicted is None
+    tree = Proposal([7, 4, 8], None, [ROOT, ROOT, 0], [True, False, True])
+    assert tree.truncated(1).predicted == [True, False]
+    with pytest.raises(ValueError, match="prediction marks"):
+        Proposal([1, 2], predicted=[True])

@@ -552,11 +552,19 @@ def test_a_prediction_gives_the_same_text_and_is_drafted_from(server, target, to
     for answer in (alone, predicted, parts):
         assert_greedy(answer["choices"][0]["message"]["content"], expected)
     assert predicted["usage"]["mean_accepted_length"] > alone["usage"]["mean_accepted_length"]
+    # OpenAI's counts of the prediction's tokens: none without one; with the answer, most of it accepted
+    assert alone["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                                           "rejected_prediction_tokens": 0}
+    details = predicted["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= predicted["usage"]["completion_tokens"] // 2
+    assert details["rejected_prediction_tokens"] >= 0
     streamed, _ = stream_chat(url, "xyzq", 30)
     assert_greedy(streamed, expected)
     done = client(url).completions.create(model=NAME, prompt="xyz", max_tokens=5, temperature=0,
                                           extra_body={"prediction": {"type": "content", "content": "hello"}})
     assert len(done.choices[0].text) == 5
+    counted = done.usage.completion_tokens_details  # the official client reads the field
+    assert counted.accepted_prediction_tokens + counted.rejected_prediction_tokens <= 5 * 4
     bad = chat_text(url, "xyzq", 3, prediction={"type": "file", "content": "x"})
     assert bad.status_code == 400 and "prediction" in bad.json()["error"]["message"]
 

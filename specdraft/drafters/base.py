@@ -36,11 +36,15 @@ class Proposal:
     samples siblings without replacement zeroes and renormalises the earlier ones). `None` means the drafter
     is deterministic (each token is a one-hot draft), which is what greedy drafting, top-k trees and n-gram
     lookup are. Verification is lossless under exactly these semantics (see verify/tree.py).
+
+    `predicted` marks the nodes the request's prediction proposed (OpenAI's Predicted Outputs; None: none
+    did), so that the engine can count the prediction's tokens accepted and rejected; verification ignores it.
     """
 
     tokens: list[int]
     draft_probs: torch.Tensor | None = None
     parents: list[int] | None = None  # None: a chain
+    predicted: list[bool] | None = None
 
     def __post_init__(self) -> None:
         if self.parents is None:
@@ -51,6 +55,8 @@ class Proposal:
             raise ValueError(f"parents must point to an earlier node or ROOT, got {self.parents}")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.tokens)} tokens")
+        if self.predicted is not None and len(self.predicted) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} draft tokens but {len(self.predicted)} prediction marks")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -81,7 +87,8 @@ class Proposal:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         return Proposal([self.tokens[i] for i in keep], probs,
-                        [ROOT if self.parents[i] == ROOT else new_index[self.parents[i]] for i in keep])
+                        [ROOT if self.parents[i] == ROOT else new_index[self.parents[i]] for i in keep],
+                        None if self.predicted is None else [self.predicted[i] for i in keep])
 
 
 @dataclass

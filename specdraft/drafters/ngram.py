@@ -230,6 +230,20 @@ def tree_from_continuations(found: Sequence[tuple[list[int], float]], max_nodes:
                     [ROOT if node_parents[node] == ROOT else position[node_parents[node]] for node in picked])
 
 
+def marked_path(tree: Proposal, chain: Sequence[int]) -> Proposal:
+    """`tree` with the nodes that spell `chain` from the root marked `predicted` (as far as the tree has them)."""
+    marks = [False] * len(tree)
+    parent = ROOT
+    for token in chain:
+        node = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == parent and t == token),
+                    None)
+        if node is None:
+            break
+        marks[node] = True
+        parent = node
+    return Proposal(tree.tokens, tree.draft_probs, tree.parents, marks)
+
+
 class NgramDrafter:
     """Proposes the continuation of the most recent earlier occurrence of the longest matching suffix, or,
     given a node budget beyond the depth, a tree of the continuations of several occurrences.
@@ -305,10 +319,13 @@ class NgramDrafter:
         first = bool(chain) and n >= index.longest_match()[0]
         if budget is None or budget <= max_k:  # a chain: one of the two lookups
             limit = max_k if budget is None else budget
-            return Proposal(chain[:limit] if first else index.lookup(limit))
+            if first:
+                return Proposal(chain[:limit], predicted=[True] * len(chain[:limit]))
+            return Proposal(index.lookup(limit))
         from_context = index.continuations(max_k)
         predicted = [(chain, NgramIndex.MATCH_BASE ** n)] if chain else []
-        return tree_from_continuations(predicted + from_context if first else from_context + predicted, budget)
+        tree = tree_from_continuations(predicted + from_context if first else from_context + predicted, budget)
+        return marked_path(tree, chain)
 
     def _aligned(self, request_id: int, predicted: NgramIndex, context: Sequence[int], max_k: int
                  ) -> tuple[int, list[int]]:

@@ -506,7 +506,7 @@ class Engine:
             if r.logprobs is not None:  # token i was chosen from the row of the node before it on the path
                 chosen_from = [0, *(1 + node for node in path)][:len(emitted[b])]
                 logprobs = position_logprobs(raw[b, chosen_from], emitted[b], r.params.logprobs)
-            chunks[r.id] = self._accept(r, proposal, len(path), emitted[b], draft_time if budgets[b][0] else 0.0,
+            chunks[r.id] = self._accept(r, proposal, path, emitted[b], draft_time if budgets[b][0] else 0.0,
                                         verify_time, budgets[b][2], logprobs)
             if r.drafting and not r.finished:
                 scored = rows[b][:1 + len(proposal)]
@@ -571,14 +571,19 @@ class Engine:
             depth = max(0, min(r.controller.max_k, remaining - 1, room))
         return min(depth, nodes), nodes, shape
 
-    def _accept(self, r: Request, proposal: Proposal, num_accepted: int, new_tokens: list[int], draft_time: float,
+    def _accept(self, r: Request, proposal: Proposal, path: list[int], new_tokens: list[int], draft_time: float,
                 verify_time: float, shape: int | None = None,
                 logprobs: list[TokenLogprobs] | None = None) -> StreamChunk:
-        """Book one verified round: metrics, the controller, and the emitted tokens up to any stop (with
-        their `logprobs`, where asked for: one per new token)."""
+        """Book one verified round (`path`: the accepted nodes of the proposal, root first): metrics, the
+        controller, and the emitted tokens up to any stop (with their `logprobs`, where asked for: one per new
+        token)."""
+        num_accepted = len(path)
         nodes = len(proposal) if len(proposal) and not proposal.is_chain else None
         drafted = max(proposal.depths, default=0)
         r.metrics.record_round(drafted, num_accepted, nodes)
+        if proposal.predicted is not None:
+            r.metrics.prediction_drafted += sum(proposal.predicted)
+            r.metrics.prediction_accepted += sum(proposal.predicted[node] for node in path)
         r.metrics.draft_time += draft_time
         r.metrics.verify_time += verify_time
         if self.drafter is not None:

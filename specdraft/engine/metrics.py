@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 # The acceptance math, as pure functions shared by the engine's metrics and the benchmark report
@@ -62,6 +62,8 @@ class SpecMetrics:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     speculative_rounds: int = 0
+    prediction_drafted: int = 0  # draft tokens the request's prediction proposed (Predicted Outputs)
+    prediction_accepted: int = 0  # of those, the ones verification accepted
     fallback_rounds: int = 0  # decode forwards run without drafting because speculation did not pay
     fallback_events: int = 0
     prefill_time: float = 0.0
@@ -114,9 +116,7 @@ class SpecMetrics:
     def merge(self, other: SpecMetrics) -> SpecMetrics:
         """Cumulative metrics over several requests."""
         out = copy.copy(self)  # field by field: asdict's deep copy cost more than the rest of a short request
-        for name in ("prompt_tokens", "prompt_tokens_cached", "generated_tokens", "target_forwards",
-                     "produced_tokens", "drafted", "accepted", "draft_nodes", "tree_rounds", "speculative_rounds",
-                     "fallback_rounds", "fallback_events", "prefill_time", "draft_time", "verify_time", "total_time"):
+        for name in _SUMMED:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.drafted_per_position = add_positions([self.drafted_per_position, other.drafted_per_position])
         out.accepted_per_position = add_positions([self.accepted_per_position, other.accepted_per_position])
@@ -139,3 +139,7 @@ class SpecMetrics:
             if self.fallback_events:
                 line += f", fell back to plain {self.fallback_events}x"
         return line
+
+
+# The counters and times `SpecMetrics.merge` adds up: every int or float field (the per-position lists apart).
+_SUMMED = tuple(f.name for f in fields(SpecMetrics) if f.type in ("int", "float"))

@@ -573,13 +573,18 @@ class Reply:
 
 def usage(replies: list[Reply], results: list[GenerationResult]) -> dict[str, Any]:
     """OpenAI's token counts over a response's choices (the prompts' cached tokens: those whose cache entries
-    were copied from an earlier prompt), plus their speculation: acceptance rate (null when nothing was
+    were copied from an earlier prompt; the prediction's draft tokens that verification accepted and rejected,
+    which the target scored either way), plus their speculation: acceptance rate (null when nothing was
     drafted) and mean accepted length (tokens per target decode forward, bonus token included)."""
     prompt = sum(reply.prompt_tokens for reply in replies)
     completion = sum(len(result.token_ids) for result in results)
     metrics = [result.metrics for result in results]
+    predicted = sum(m.prediction_drafted for m in metrics)
+    accepted = sum(m.prediction_accepted for m in metrics)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(m.prompt_tokens_cached for m in metrics)},
+            "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": predicted - accepted},
             "acceptance_rate": acceptance_rate(sum(m.accepted for m in metrics), sum(m.drafted for m in metrics)),
             "mean_accepted_length": mean_accepted_length(sum(m.produced_tokens for m in metrics),
                                                          sum(m.target_forwards for m in metrics))}
