@@ -9,7 +9,8 @@ activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against th
 has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
-        [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64] [--no-batch-drafting] [--q8-16bit]
+        [--prompts spread|first] [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64]
+        [--no-batch-drafting] [--q8-16bit]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from specdraft.bench.suite import load_suite
+from specdraft.bench.suite import first_turns, load_suite
 from specdraft.engine import adaptive, core
 from specdraft.engine.core import build_engine
 from specdraft.runtime import cpu_kernels
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="gguf")
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--suite", default="../shared/data/specbench-dev.jsonl")
+    parser.add_argument("--prompts", choices=["spread", "first"], default="spread",
+                        help="the suite's prompts spread over its categories (as bench-serve's), or its first ones")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=None, help="default: 2 x --concurrency")
     parser.add_argument("--passes", type=int, default=4)
@@ -49,10 +52,10 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype)
-    suite = load_suite(args.suite)
+    turns = first_turns(load_suite(args.suite), args.prompts)
     count = args.requests or 2 * args.concurrency
     chat = tokenizer.has_chat_template  # a base model (Gemma 3 270M) takes the plain text
-    prompts = [tokenizer.prompt_ids(suite[i % len(suite)].turns[0], chat=chat) for i in range(count)]
+    prompts = [tokenizer.prompt_ids(turns[i % len(turns)], chat=chat) for i in range(count)]
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)] * len(prompts)
     engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}

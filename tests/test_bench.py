@@ -51,6 +51,7 @@ from specdraft.bench.suite import (
     OVERALL,
     Question,
     SuiteError,
+    first_turns,
     group_of,
     load_suite,
     order_groups,
@@ -161,6 +162,14 @@ def test_spread_round_robin():
     assert len(spread(qs, 50)) == 5
     mt = [_q(1, "writing"), _q(2, "roleplay"), _q(3, "math"), _q(4, "qa"), _q(5, "qa")]
     assert [q.question_id for q in spread(mt, 4)] == [1, 4, 2, 5]  # by group: MT-bench counts as one
+
+
+def test_bench_serve_takes_its_prompts_over_every_category():
+    """`bench-serve --prompts spread` (the default): the first requests already cover each group; `first` keeps
+    the file's order (on the dev suite its first 32 prompts were MT-bench and translation only)."""
+    qs = [_q(1, "writing"), _q(2, "writing"), _q(3, "translation"), _q(4, "translation"), _q(5, "rag")]
+    assert first_turns(qs, "spread") == [f"turn 0 of {i}" for i in (1, 3, 5, 2, 4)]
+    assert first_turns(qs, "first") == [f"turn 0 of {i}" for i in range(1, 6)]
 
 
 def test_parse_suite_ok():

@@ -1,7 +1,8 @@
 """`specdraft bench-serve`: the OpenAI server under load, with speculation off and on.
 
 For each concurrency level (default 1, 2, 4, 8, 16) a pool of that many streaming chat clients works through
-the same requests (the suite's first turns, 2 x the highest level by default; greedy, `ignore_eos` so every
+the same requests (first turns spread over the suite's categories in turn, `--prompts spread`, or its first
+ones, `--prompts first`; 2 x the highest level by default; greedy, `ignore_eos` so every
 answer is `--max-tokens` long), against the same model served twice: plain decoding and the drafter. Each of
 `--repeats` passes runs every level, plain and speculative (which one first alternates), so machine noise hits
 levels and modes alike; each row is the run of median throughput; each level's scaling over concurrency 1, and
@@ -43,6 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from specdraft.bench.http_client import Connection, Pieces, ProtocolError
+from specdraft.bench.suite import first_turns, load_suite
 from specdraft.config import DTYPE_HELP, arg_draft_length, arg_int_in, target_dtype
 from specdraft.errors import SpecdraftError
 
@@ -72,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=arg_int_in(1), default=None,
                         help="requests per level, the same prompts at every level (default: 2 x the highest "
                              "concurrency, at least 8)")
+    parser.add_argument("--prompts", choices=["spread", "first"], default="spread",
+                        help="which of the suite's prompts: spread over its categories in turn (default), or its "
+                             "first ones in file order (bench-serve's choice up to stop 55: on the dev suite, "
+                             "32 requests were MT-bench and translation only)")
     parser.add_argument("--max-tokens", type=arg_int_in(1), default=64)
     parser.add_argument("--repeats", type=arg_int_in(1), default=1,
                         help="runs of each level and mode, alternated; the row is the run of median throughput")
@@ -398,9 +404,8 @@ def _direct_request(engine: Any, tokenizer: Any, prompt: str, max_tokens: int) -
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     from specdraft.bench.machine import header, header_lines
-    from specdraft.bench.suite import load_suite
 
-    prompts_all = [q.turns[0] for q in load_suite(args.suite)]
+    prompts_all = first_turns(load_suite(args.suite), args.prompts)
     levels = args.concurrency
     direct = None
     if args.url:
@@ -422,7 +427,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         # The same requests at every level, so that a level's throughput against another's compares the same
         # work (with 2 x its own concurrency, one client read 8 short prompts and 8 clients 16 with longer ones).
         count = args.requests or max(8, 2 * max(levels))
-        prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]
+        prompts = [prompts_all[i % len(prompts_all)] for i in range(count)]  # more than the suite: again
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {(c, mode): [] for c in levels for mode in urls}
         for repeat in range(args.repeats):  # levels and modes alternated, so machine noise hits each alike
             for concurrency in levels:
@@ -451,7 +456,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
            "config": {"concurrency": levels, "max_tokens": args.max_tokens, "requests": count,
                       "repeats": args.repeats,
                       "speculative_model": args.speculative_model, "k": args.num_speculative_tokens,
-                      "suite": args.suite or "bundled mini suite", "url": args.url,
+                      "suite": args.suite or "bundled mini suite", "prompts": args.prompts, "url": args.url,
                       "stream_interval": args.stream_interval},
            "results": rows, "scaling": scaling, "speculative_over_plain": speculative,
            "server_overhead_c1": overhead["stream"], "server_overhead_c1_non_streaming": overhead["non_streaming"]}

@@ -130,3 +130,11 @@ def spread(questions: list[Question], n: int) -> list[Question]:
                 out.append(qs[depth])
         depth += 1
     return out
+
+
+def first_turns(questions: list[Question], order: str = "spread") -> list[str]:
+    """The questions' first turns in the order a load test sends them: `spread` round robin over the category
+    groups (so the first n requests cover them all alike), `first` the file's order."""
+    if order not in ("spread", "first"):
+        raise ValueError(f"order must be 'spread' or 'first', got {order!r}")
+    return [q.turns[0] for q in (spread(questions, len(questions)) if order == "spread" else questions)]
