@@ -1,12 +1,12 @@
-"""Forward ms of a model at a few block shapes (B sequences x T new tokens after 100 committed tokens each,
-median of 5 means of 16 forwards), optionally beside a process that takes a slice of a core. The figures
+"""Forward ms of a model at a few block shapes (B sequences x T new tokens after `--context` (100) committed
+tokens each, median of 5 means of 16 forwards), optionally beside a process that takes a slice of a core. The figures
 behind stop 30's fp16 panel scales and guided panel loops: run it in two checkouts, alternately, to compare.
 `--ab-q8-int8 N` instead times every shape N times with the GGUF-native 8-bit output layer on 16-bit and on
 int8 activations in turn (`cpu_kernels.q8_int8_activations`), in one process, and prints the medians and
 ratios.
 
     python scripts/bench_forward_shapes.py [--model smollm2-135m] [--dtype gguf] [--shapes 1x1,8x1,1x8]
-        [--busy 0.1] [--ab-q8-int8 5]
+        [--context 100] [--busy 0.1] [--ab-q8-int8 5]
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ while True:
 """
 
 
-def forward_ms(model, batch: int, tokens: int, generator: torch.Generator) -> float:
-    cache = model.new_cache(400, num_slots=batch)
-    model.forward(torch.randint(1000, 30000, (batch, 100), generator=generator), cache, logits_from=99)
+def forward_ms(model, batch: int, tokens: int, generator: torch.Generator, context: int = 100) -> float:
+    cache = model.new_cache(context + 300, num_slots=batch)
+    model.forward(torch.randint(1000, 30000, (batch, context), generator=generator), cache, logits_from=context - 1)
     for slot in range(batch):
-        cache.commit(slot, 100)
+        cache.commit(slot, context)
     block = torch.randint(1000, 30000, (batch, tokens), generator=generator)
     means = []
     for _ in range(5):
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="gguf")
     parser.add_argument("--shapes", default="1x1,8x1,1x8,1x32", help="BxT, comma-separated")
+    parser.add_argument("--context", type=int, default=100, help="tokens committed in each sequence before")
     parser.add_argument("--busy", type=float, default=0.0, help="fraction of a core another process spins")
     parser.add_argument("--ab-q8-int8", type=int, default=0, metavar="N",
                         help="alternate the 8-bit output layer's 16-bit and int8 activations, N times per shape")
@@ -77,8 +78,8 @@ def main() -> None:
                       f"ms, int8 {statistics.median(times[True]):.2f} ms, int8 / 16-bit per pair "
                       f"{' '.join(f'{r:.3f}' for r in ratios)} median {statistics.median(ratios):.3f}", flush=True)
                 continue
-            ms = forward_ms(model, batch, tokens, generator)
-            print(f"{args.model} {args.dtype} B={batch} T={tokens}: {ms:.2f} ms", flush=True)
+            ms = forward_ms(model, batch, tokens, generator, args.context)
+            print(f"{args.model} {args.dtype} B={batch} T={tokens} after {args.context}: {ms:.2f} ms", flush=True)
     finally:
         if spinner is not None:
             spinner.terminate()

@@ -10,7 +10,7 @@ has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
         [--prompts spread|first] [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64]
-        [--no-batch-drafting] [--q8-16bit]
+        [--no-batch-drafting] [--one-context-class] [--q8-16bit]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> None:
                              "(default: every request runs --max-tokens, in waves of --concurrency)")
     parser.add_argument("--no-batch-drafting", action="store_true",
                         help="also run the drafter held to plain rounds whenever two or more requests run")
+    parser.add_argument("--one-context-class", action="store_true",
+                        help="also run the drafter with the batch planner's costs in one table for all contexts")
     parser.add_argument("--q8-16bit", action="store_true",
                         help="also run every engine with the 8-bit GGUF output layer on 16-bit activations")
     args = parser.parse_args()
@@ -59,6 +61,10 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)] * len(prompts)
     engines = {"plain": build_engine(model, tokenizer, None, max_batch=args.concurrency),
                args.drafter: build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)}
+    if args.one_context_class:
+        blind = build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)
+        one_context_class(blind)
+        engines[f"{args.drafter}-1class"] = blind
     if args.no_batch_drafting:
         held = build_engine(model, tokenizer, args.drafter, 5, max_batch=args.concurrency)
         hold_batches(held)
@@ -100,7 +106,8 @@ def main() -> None:
     for name, runs in rates.items():
         print(f"{name:8} c={args.concurrency} output tok/s median {statistics.median(runs):.1f}  "
               f"runs {' '.join(f'{r:.0f}' for r in runs)}  (time in prompt forwards "
-              f"{spent[name]['prefill'] / walls[name]:.0%}, decode rounds {spent[name]['decode'] / walls[name]:.0%})")
+              f"{spent[name]['prefill'] / walls[name]:.0%}, decode rounds {spent[name]['decode'] / walls[name]:.0%}; "
+              f"per pass {spent[name]['prefill'] / len(runs):.2f} s and {spent[name]['decode'] / len(runs):.2f} s)")
     for name in engines:
         if name != "plain" and name not in int8_of:
             ratios = [d / p for p, d in zip(rates["plain"], rates[name])]
@@ -113,11 +120,21 @@ def main() -> None:
               f"median {statistics.median(ratios):.3f}")
     planner = engines[args.drafter].planner
     if planner is not None:
-        print("forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds): "
-              + ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(planner.costs.seconds.items())))
+        for bucket, table in sorted(planner.costs.tables.items()):
+            entries = ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(table.items()))
+            print(f"forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds), "
+                  f"context class {bucket}: {entries}")
     if plans:
         print("batched rounds planned (batch size, requests drafting): rounds  "
               + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))
+
+
+def one_context_class(engine: core.Engine) -> None:
+    """The batch planner's cost table with every round in one context class (as before stop 56)."""
+    planner = engine.planner
+    plan, learn = planner.plan, planner.learn
+    planner.plan = lambda alphas, depths, context=0: plan(alphas, depths)  # type: ignore[method-assign]
+    planner.learn = lambda *args, context=0, **kwargs: learn(*args, **kwargs)  # type: ignore[method-assign]
 
 
 def hold_batches(engine: core.Engine) -> None:

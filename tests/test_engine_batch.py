@@ -21,6 +21,7 @@ from specdraft.engine.adaptive import (
     BatchPlanner,
     DraftLengthController,
     ForwardCostTable,
+    context_bucket,
     plan_batch_drafts,
 )
 from specdraft.engine.core import Engine
@@ -354,7 +355,7 @@ def test_forward_cost_table_keeps_rows_measured_in_a_slow_moment_at_the_machines
     rounds = [(16, 0.016)] * 20 + [(24, 0.024)] + [(16, 0.024)] * 20 + [(32, 0.048)]  # 1.5x slower from 21st
     for rows, seconds in rounds:
         table.record(rows, seconds, plain=rows == 16)
-    assert table.pace == pytest.approx(1.5, rel=0.05)
+    assert table.pace() == pytest.approx(1.5, rel=0.05)
     now = table.costs(16, 32)
     assert now[0] == pytest.approx(0.024, rel=0.01)  # what 16 rows cost now
     assert now[8] / now[0] == pytest.approx(1.5, rel=0.05) and now[16] / now[0] == pytest.approx(2.0, rel=0.05)
@@ -374,6 +375,41 @@ def test_forward_cost_table_does_not_drift_over_a_long_run_of_noisy_rounds():
     costs = table.costs(8, 16)
     assert costs[8] / costs[0] == pytest.approx(1.5, rel=0.1)
     assert costs[0] == pytest.approx(0.010, rel=0.15)  # what 8 rows cost now
+
+
+def test_forward_cost_table_keeps_rounds_over_long_contexts_apart_from_short_ones():
+    """Reading every sequence's cached keys and values costs per sequence, not per row: over long contexts 8
+    rows cost 13 ms and 16 rows 19 (6 more), over short ones 6 and 11 (5 more). Kept in one table, a round of 8
+    rows over long contexts beside 16 over short ones made more rows look cheaper (the dev suite, 8 requests at
+    a time: 8 rows read 28 ms and 9 rows 13); kept apart, each context's plan reads its own rows' costs, and a
+    context never measured reads the nearest one measured."""
+    table = ForwardCostTable(window=1)
+    table.record(8, 0.0062, plain=True, context=800)
+    table.record(16, 0.0106, plain=False, context=800)
+    table.record(8, 0.0134, plain=True, context=8000)
+    table.record(16, 0.0195, plain=False, context=8000)
+    assert context_bucket(511) == 0 and context_bucket(512) == 1 and context_bucket(8000) == 4
+    short, long = table.costs(8, 16, context=800), table.costs(8, 16, context=8000)
+    assert long[8] > long[0] > short[8] > short[0]
+    assert short[8] - short[0] == pytest.approx(0.0044, rel=0.15) and long[8] - long[0] == pytest.approx(0.0061,
+                                                                                                         rel=0.15)
+    assert table.costs(8, 16, context=6000) == pytest.approx(long)  # the nearest class measured
+    # Each class keeps its own pace: its entries are at its own first rounds' speed (here class 4's first 8
+    # rows were measured in a slow moment, 3x; its plain rounds since bring its pace, not class 1's, to 1/3).
+    spiky = ForwardCostTable()
+    spiky.record(8, 0.0062, plain=True, context=800)
+    spiky.record(8, 0.0402, plain=True, context=8000)
+    for _ in range(200):
+        spiky.record(8, 0.0062, plain=True, context=800)
+        spiky.record(8, 0.0134, plain=True, context=8000)
+    assert spiky.pace(800) == pytest.approx(1.0) and spiky.pace(8000) == pytest.approx(1 / 3, rel=0.15)
+    assert spiky.costs(8, 8, 800) == pytest.approx([0.0062])
+    assert spiky.costs(8, 8, 8000) == pytest.approx([0.0134], rel=0.02)
+    # Where the sequences' fixed cost is high, a row is a smaller share of the round: at 0.7 acceptance the
+    # batch drafts over long contexts (13.6 tokens in 19.5 ms against 8 in 13.4) and not over short ones.
+    alphas, depths = [0.7] * 8, [1] * 8
+    assert plan_batch_drafts(alphas, depths, table, context=8000) == [1] * 8
+    assert plan_batch_drafts(alphas, depths, table, context=800) == [0] * 8
 
 
 def test_plan_batch_drafts_drafts_where_rows_are_cheap_and_only_likely_tokens_where_they_are_not():
@@ -428,12 +464,12 @@ def test_batch_planner_times_no_cold_round_runs_a_plain_round_when_due_and_books
     planner = BatchPlanner(window=4)
     planner.prompt_forward()
     planner.learn(4, 0.010, plain=True, expected=None, accepted=0, asked=0, draft_seconds=0.0)
-    assert planner.costs.seconds == {}  # cold: not timed
+    assert planner.costs.seconds() == {}  # cold: not timed
     planner.prompt_forward()
     planner.lone_round()
     planner.learn(4, 0.010, plain=True, expected=None, accepted=0, asked=0, draft_seconds=0.0)
     planner.learn(12, 0.011, plain=False, expected=2.0, accepted=1, asked=8, draft_seconds=0.004)
-    assert planner.costs.seconds == pytest.approx({4: 0.010, 12: 0.011})
+    assert planner.costs.seconds() == pytest.approx({4: 0.010, 12: 0.011})
     assert planner.calibration.factor == pytest.approx(0.5)
     assert planner.draft_token_cost == pytest.approx(0.0005 / 4)  # from 0, a window of 4: per token asked for
     assert planner.plan([0.99] * 4, [4] * 4) == [4, 4, 4, 4]  # rows cheap: every draft pays
@@ -480,7 +516,7 @@ def test_greedy_requests_decode_the_same_alone_and_batched_under_adaptation():
     expected = [plain.generate(ids, p).token_ids for ids, p in zip(prompts, params)]
     batched = Engine(target, tokenizer, NgramDrafter(), 4, AdaptiveConfig(), max_model_len=256, max_batch=6)
     assert [r.token_ids for r in batched.generate_many(prompts, params)] == expected
-    measured = batched.planner.costs.seconds
+    measured = batched.planner.costs.seconds()
     assert 6 in measured and max(measured) > 6 and batched.totals.drafted > 0  # plans were made from them
 
 

@@ -135,8 +135,25 @@ PACE_SMOOTHING = 0.25
 PLAIN_EVERY = 16
 
 
+def context_bucket(context_tokens: int) -> int:
+    """The class of a batched round by the cached tokens its requests attend to: 0 below CONTEXT_BUCKET_TOKENS,
+    then one per doubling."""
+    return (max(context_tokens, 0) // CONTEXT_BUCKET_TOKENS).bit_length()
+
+
+# Batched rounds are timed apart by the cached tokens their requests attend to, a class per doubling from
+# this many (`context_bucket`). Reading a sequence's keys and values is a cost per sequence, not per row: 8
+# sequences of 1,000 cached tokens made a forward of 8 rows 13.4 ms against 6.2 after 100, one of 16 rows 19.5
+# against 10.6 (SmolLM2-135M Q4, Zen 4, `scripts/bench_forward_shapes.py --context`). A table that mixed such
+# rounds compared row counts measured at different contexts: over the dev suite's six categories, 8 requests
+# at a time, 8 rows read 28 ms and 9 rows 13 (more rows cheaper), and plans drafted where drafting did not
+# pay (`scripts/engine_batch_ab.py --one-context-class`).
+CONTEXT_BUCKET_TOKENS = 512
+
+
 class ForwardCostTable:
-    """Measured seconds of a batched target forward (with its verification) by the rows it computes.
+    """Measured seconds of a batched target forward (with its verification) by the rows it computes, for each
+    class of context (`context_bucket`: the cached tokens the round's requests attend to).
 
     A batched round computes one row per request plus one per draft token (ragged), so what drafting costs
     the batch is the difference between two entries of this table. That difference is the machine's, not a
@@ -144,12 +161,14 @@ class ForwardCostTable:
     more than the three before it together (SmolLM2-135M Q4 on Zen 4: 2 rows 4.2 ms, 4 rows 4.7, 5 rows 5.4;
     other runs 4 rows 5.0, 5 rows 7.6), and where the forward is compute-bound every row costs most of what
     an average one does. Every batched round adds its measurement (an average over recent rounds per row
-    count; a lone request's one-slot block is another forward and is left out).
+    count; a lone request's one-slot block is another forward and is left out) to its context's table; a plan
+    reads the table of its own context (the nearest measured one where that has none yet).
 
     A shared machine's speed drifts by tens of percent over seconds, and a row count measured rarely would
     compare its slow moment with another's fast one, so entries are kept at one speed: each plain round
-    updates the machine's current pace (its time over its row count's entry), and every measurement is
-    divided by the pace before it enters the table (the engine runs a plain round at least every
+    updates the machine's current pace (its time over its row count's entry; a pace per context class, whose
+    entries are each at their own first rounds' speed), and every measurement is divided by the pace before
+    it enters the table (the engine runs a plain round at least every
     `PLAIN_EVERY` batched rounds, so the pace stays current while drafting pays). Pace and entries are
     averages of logarithms (`geometric_ema`): each is measured by dividing by the other, and as arithmetic
     averages the noise's bias compounded between them, so the counts plain rounds measure drifted cheaper
@@ -164,46 +183,69 @@ class ForwardCostTable:
 
     def __init__(self, window: int = 32) -> None:
         self.smoothing = 1.0 / window  # slow: what rows cost relative to each other is the machine's
-        self.seconds: dict[int, float] = {}  # per row count, in the machine's speed at the first rounds
-        self.pace = 1.0  # how much slower the machine runs now than then (over the last few plain rounds)
+        # context class -> row count -> seconds, in the machine's speed at the class's first rounds
+        self.tables: dict[int, dict[int, float]] = {}
+        # context class -> how much slower the machine runs now than then (over the last few plain rounds):
+        # each class's entries are at its own first rounds' speed, so each has its own pace
+        self.paces: dict[int, float] = {}
 
-    def record(self, rows: int, seconds: float, plain: bool) -> None:
-        """One batched round: `rows` computed in `seconds`; `plain` if no request drafted (such rounds, of the
-        same few row counts and frequent, are what the pace is measured on)."""
-        old = self.seconds.get(rows)
+    def _class_of(self, context: int) -> int | None:
+        """The measured class a plan at `context` cached tokens reads: its own, else the nearest."""
+        bucket = context_bucket(context)
+        return min(self.tables, key=lambda b: (abs(b - bucket), b)) if self.tables else None
+
+    def seconds(self, context: int = 0) -> dict[int, float]:
+        """The entries a plan at `context` cached tokens reads ({} before any round was measured)."""
+        bucket = self._class_of(context)
+        return {} if bucket is None else self.tables[bucket]
+
+    def pace(self, context: int = 0) -> float:
+        """The current pace of the class a plan at `context` reads (1.0 before any round was measured)."""
+        bucket = self._class_of(context)
+        return 1.0 if bucket is None else self.paces[bucket]
+
+    def record(self, rows: int, seconds: float, plain: bool, context: int = 0) -> None:
+        """One batched round: `rows` computed in `seconds` over requests attending to `context` cached tokens
+        in all; `plain` if no request drafted (such rounds, of the same few row counts and frequent, are what
+        the pace is measured on)."""
+        bucket = context_bucket(context)
+        table = self.tables.setdefault(bucket, {})
+        old = table.get(rows)
+        pace = self.paces.setdefault(bucket, 1.0)
         if plain and old is not None:
-            self.pace = timing_ema(self.pace, seconds / old, PACE_SMOOTHING, geometric=True)
-        seconds /= self.pace
-        self.seconds[rows] = timing_ema(old, seconds, self.smoothing, geometric=True)
+            pace = self.paces[bucket] = timing_ema(pace, seconds / old, PACE_SMOOTHING, geometric=True)
+        table[rows] = timing_ema(old, seconds / pace, self.smoothing, geometric=True)
 
-    def costs(self, first: int, last: int) -> list[float] | None:
-        """Estimated seconds of a forward over each row count from `first` to `last` (None before any round
-        was measured)."""
-        known = sorted(self.seconds)
-        if not known:
+    def costs(self, first: int, last: int, context: int = 0) -> list[float] | None:
+        """Estimated seconds of a forward over each row count from `first` to `last` for requests attending
+        to `context` cached tokens (None before any round was measured)."""
+        bucket = self._class_of(context)
+        if bucket is None:
             return None
+        table, pace = self.tables[bucket], self.paces[bucket]
+        known = sorted(table)
         top = known[-1]
         slope = 0.0  # one count measured: more rows are taken to be free until a round measures them
         if len(known) > 1:
             mid = min(known[:-1], key=lambda n: abs(n - top / 2))
-            slope = max(0.0, (self.seconds[top] - self.seconds[mid]) / (top - mid))
+            slope = max(0.0, (table[top] - table[mid]) / (top - mid))
         out, i = [], 0  # known[i] is the first measured count >= rows
         for rows in range(first, last + 1):
             while i < len(known) and known[i] < rows:
                 i += 1
             if i == len(known):
-                out.append(self.seconds[top] + slope * (rows - top))
+                out.append(table[top] + slope * (rows - top))
             elif known[i] == rows or i == 0:  # measured, or fewer rows than any measured: at most that
-                out.append(self.seconds[known[i]])
+                out.append(table[known[i]])
             else:
                 lo, hi = known[i - 1], known[i]
-                out.append(self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo))
+                out.append(table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo))
         # A longer block never costs less than a shorter one: where one measured cheaper (the shorter in a
         # noisy moment, or the longer long ago), the shorter is taken at the cheaper cost, so that a plan
         # tries it and the next measurement settles which was wrong.
         for j in range(len(out) - 2, 0, -1):
             out[j] = min(out[j], out[j + 1])
-        return [max(cost, out[0]) * self.pace for cost in out]
+        return [max(cost, out[0]) * pace for cost in out]
 
 
 # How fast `AcceptanceCalibration` returns to trusting the requests' estimates while nothing drafts.
@@ -244,7 +286,8 @@ class AcceptanceCalibration:
 
 
 def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: ForwardCostTable,
-                      draft_cost: float = 0.0, margin: float = 0.05, calibration: float = 1.0) -> list[int]:
+                      draft_cost: float = 0.0, margin: float = 0.05, calibration: float = 1.0,
+                      context: int = 0) -> list[int]:
     """How deep each request of a batched round drafts: the depths (at most `depths`, what each request's own
     controller wants) that maximize the batch's expected tokens per second.
 
@@ -259,11 +302,12 @@ def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: For
     a gain smaller than their noise is as likely a loss. `calibration` scales every expected acceptance: the
     engine measures how many tokens its plans' drafts got against how many the plans expected (the requests
     a plan picks are the ones whose estimates are highest, partly by luck), see `AcceptanceCalibration`.
+    `context`: the cached tokens the batch's requests attend to, which pick the table's class.
     """
     batch = len(alphas)
     units = sorted(((min(max(alpha, 0.0), 1.0) ** j, b) for b, (alpha, depth) in enumerate(zip(alphas, depths))
                     for j in range(1, depth + 1)), key=lambda unit: -unit[0])
-    costs = table.costs(batch, batch + len(units)) if units else None
+    costs = table.costs(batch, batch + len(units), context) if units else None
     if costs is None or costs[0] <= 0:
         return [0] * batch
     plain_rate = batch / costs[0]
@@ -299,13 +343,14 @@ class BatchPlanner:
         self.drafted_rounds = 0  # batched rounds in a row that drafted
         self.cold = False  # the next round follows a prompt forward
 
-    def plan(self, alphas: Sequence[float], depths: Sequence[int]) -> list[int]:
-        """Each request's draft depth for a batched round (`plan_batch_drafts`): none after PLAIN_EVERY
-        drafted rounds in a row, so that the plain round keeps the table's pace current."""
+    def plan(self, alphas: Sequence[float], depths: Sequence[int], context: int = 0) -> list[int]:
+        """Each request's draft depth for a batched round (`plan_batch_drafts`) over requests attending to
+        `context` cached tokens: none after PLAIN_EVERY drafted rounds in a row, so that the plain round keeps
+        the table's pace current."""
         if self.drafted_rounds >= PLAIN_EVERY:
             return [0] * len(depths)
         return plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
-                                 calibration=self.calibration.factor)
+                                 calibration=self.calibration.factor, context=context)
 
     def prompt_forward(self) -> None:
         """A prompt's forward ran: the round after it is not timed."""
@@ -316,12 +361,13 @@ class BatchPlanner:
         self.cold = False
 
     def learn(self, rows: int, seconds: float, plain: bool, expected: float | None, accepted: int, asked: int,
-              draft_seconds: float) -> None:
+              draft_seconds: float, context: int = 0) -> None:
         """A batched round: `rows` computed in `seconds` (forward and verification; `plain` if nothing was
-        drafted); the drafts of the requests the calibration counts expected `expected` tokens (None: no such
-        request drafted) and got `accepted`; `asked` draft tokens (shadows included) cost `draft_seconds`."""
+        drafted) over requests attending to `context` cached tokens; the drafts of the requests the calibration
+        counts expected `expected` tokens (None: no such request drafted) and got `accepted`; `asked` draft
+        tokens (shadows included) cost `draft_seconds`."""
         if not self.cold:
-            self.costs.record(rows, seconds, plain=plain)
+            self.costs.record(rows, seconds, plain=plain, context=context)
         self.cold = False
         self.drafted_rounds = 0 if plain else self.drafted_rounds + 1
         if plain:

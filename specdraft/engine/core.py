@@ -523,7 +523,8 @@ class Engine:
                     ) -> tuple[list[tuple[int, int, int | None]], list[int]]:
         """The budgets of a batched round cut to what the planner says pays for the batch, and the requests
         to shadow-draft one token for."""
-        planned = self.planner.plan([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets])
+        planned = self.planner.plan([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
+                                    context=sum(len(r.context) for r in requests))
         # A cheap drafter still proposes one token for the requests the plan leaves out: checked against the
         # token the target emits, it keeps their acceptance current at no cost to the forward.
         cheap = self.draft_costs.cheap
@@ -547,7 +548,8 @@ class Engine:
                        for j in range(1, max(proposals[b].depths) + 1)) if counted else None
         computed = sum(1 + len(p) for p in proposals)
         self.planner.learn(computed, verify_time, plain=computed == len(requests), expected=expected,
-                           accepted=sum(len(accepted[b]) for b in counted), asked=asked, draft_seconds=draft_time)
+                           accepted=sum(len(accepted[b]) for b in counted), asked=asked, draft_seconds=draft_time,
+                           context=sum(len(r.context) for r in requests))
         for b, tokens in shadow_tokens.items():
             if tokens:  # a lookup that found nothing says nothing about acceptance
                 requests[b].controller.observe_shadow(tokens[0] == emitted[b][0])
