@@ -162,7 +162,10 @@ class ForwardCostTable:
     other runs 4 rows 5.0, 5 rows 7.6), and where the forward is compute-bound every row costs most of what
     an average one does. Every batched round adds its measurement (an average over recent rounds per row
     count; a lone request's one-slot block is another forward and is left out) to its context's table; a plan
-    reads the table of its own context (the nearest measured one where that has none yet).
+    reads the table of its own context. A class's first round starts its table from a copy of the nearest
+    class's (rows cost much the same relative to each other there) at that class's pace: started empty, a
+    class's first few entries were measured before its pace had settled, at different speeds, and a plain
+    count measured in a slow moment made the next counts up look free (in one run, 8 rows 37 ms, 9 rows 15).
 
     A shared machine's speed drifts by tens of percent over seconds, and a row count measured rarely would
     compare its slow moment with another's fast one, so entries are kept at one speed: each plain round
@@ -209,9 +212,12 @@ class ForwardCostTable:
         in all; `plain` if no request drafted (such rounds, of the same few row counts and frequent, are what
         the pace is measured on)."""
         bucket = context_bucket(context)
-        table = self.tables.setdefault(bucket, {})
+        if bucket not in self.tables:  # a new class starts from the nearest one's rows and pace (see above)
+            nearest = self._class_of(context)
+            self.tables[bucket] = {} if nearest is None else dict(self.tables[nearest])
+            self.paces[bucket] = 1.0 if nearest is None else self.paces[nearest]
+        table, pace = self.tables[bucket], self.paces[bucket]
         old = table.get(rows)
-        pace = self.paces.setdefault(bucket, 1.0)
         if plain and old is not None:
             pace = self.paces[bucket] = timing_ema(pace, seconds / old, PACE_SMOOTHING, geometric=True)
         table[rows] = timing_ema(old, seconds / pace, self.smoothing, geometric=True)
