@@ -247,7 +247,7 @@ def test_greedy_identity_through_fallback_rounds(target, monkeypatch):
     token's features) and probes again later: the head's features must stay in step with the context. (The
     batch's plan is set to let every request draft what its controller wants: a random head's drafts do not
     pay, and the plan would rightly leave them out, which is not what this test is about.)"""
-    monkeypatch.setattr(BatchPlanner, "plan", lambda self, alphas, depths: list(depths))
+    monkeypatch.setattr(BatchPlanner, "plan", lambda self, alphas, depths, context=0: list(depths))
     drafter = EagleDrafter(random_head(target), target, max_len=256, max_batch=3)
     spec = engine(target, drafter, k=4, max_batch=3, adaptive=AdaptiveConfig(reprobe_after=2))
     params = SamplingParams(temperature=0, max_tokens=60)

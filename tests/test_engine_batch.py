@@ -571,7 +571,7 @@ def test_a_batch_that_drafts_every_round_still_runs_a_plain_round_every_so_often
     for rows in range(3, 40):
         engine.planner.costs.record(rows, 1.0, plain=True)  # rows free: every draft pays
     kinds = []
-    engine.planner.costs.record = lambda rows, seconds, plain: kinds.append(plain)  # pinned
+    engine.planner.costs.record = lambda rows, seconds, plain, context=0: kinds.append(plain)  # pinned
     assert [r.token_ids for r in engine.generate_many([prompt] * 3, [params] * 3)] == [continuation] * 3
     drafted_runs = "".join("p" if plain else "d" for plain in kinds).split("p")
     assert kinds.count(False) > 2 * PLAIN_EVERY and max(len(run) for run in drafted_runs) == PLAIN_EVERY

@@ -61,7 +61,7 @@ def test_the_model_side_keeps_up_through_rounds_the_lookup_drafted(monkeypatch):
     of tokens the lookup's drafts brought in must be the ones it sees. (Every request drafts what its
     controller wants: the batch's plan would leave a random head's drafts out.)"""
     from test_eagle import CheckedEagleDrafter
-    monkeypatch.setattr(BatchPlanner, "plan", lambda self, alphas, depths: list(depths))
+    monkeypatch.setattr(BatchPlanner, "plan", lambda self, alphas, depths, context=0: list(depths))
 
     target = tiny_model(seed=0, vocab=VOCAB, layers=4)
     model = CheckedEagleDrafter(random_head(target), target, max_len=256, max_batch=len(REPEATING))
