@@ -320,7 +320,8 @@ class NgramDrafter:
         if budget is None or budget <= max_k:  # a chain: one of the two lookups
             limit = max_k if budget is None else budget
             if first:
-                return Proposal(chain[:limit], predicted=[True] * len(chain[:limit]))
+                tokens = chain[:limit]
+                return Proposal(tokens, predicted=[True] * len(tokens))
             return Proposal(index.lookup(limit))
         from_context = index.continuations(max_k)
         predicted = [(chain, NgramIndex.MATCH_BASE ** n)] if chain else []

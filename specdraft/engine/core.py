@@ -449,8 +449,11 @@ class Engine:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(r) for r in requests]
         shadows: list[int] = []
-        if len(requests) > 1 and self.planner is not None and any(depth for depth, _, _ in budgets):
-            budgets, shadows = self._plan_batch(requests, budgets)
+        batched = len(requests) > 1 and self.planner is not None
+        # The cached tokens the round's requests attend to: the planner's costs are kept per class of it.
+        context = sum(len(r.context) for r in requests) if batched else 0
+        if batched and any(depth for depth, _, _ in budgets):
+            budgets, shadows = self._plan_batch(requests, budgets, context)
         drafting = [b for b, (depth, _, _) in enumerate(budgets) if depth > 0]
         asked = sum(budgets[b][0] for b in drafting)
         proposals = [Proposal([]) for _ in requests]
@@ -492,7 +495,7 @@ class Engine:
         if self.planner is not None:
             if len(requests) > 1:
                 self._learn_from_batch(requests, proposals, accepted, emitted, shadow_tokens, asked, draft_time,
-                                       verify_time)
+                                       context, verify_time)
             else:
                 self.planner.lone_round()
         chunks = {}
@@ -519,12 +522,12 @@ class Engine:
                 r.metrics.draft_time += time.perf_counter() - t + topk_time
         return chunks
 
-    def _plan_batch(self, requests: Sequence[Request], budgets: list[tuple[int, int, int | None]]
+    def _plan_batch(self, requests: Sequence[Request], budgets: list[tuple[int, int, int | None]], context: int
                     ) -> tuple[list[tuple[int, int, int | None]], list[int]]:
         """The budgets of a batched round cut to what the planner says pays for the batch, and the requests
         to shadow-draft one token for."""
         planned = self.planner.plan([r.controller.alpha for r in requests], [depth for depth, _, _ in budgets],
-                                    context=sum(len(r.context) for r in requests))
+                                    context=context)
         # A cheap drafter still proposes one token for the requests the plan leaves out: checked against the
         # token the target emits, it keeps their acceptance current at no cost to the forward.
         cheap = self.draft_costs.cheap
@@ -537,7 +540,7 @@ class Engine:
 
     def _learn_from_batch(self, requests: Sequence[Request], proposals: Sequence[Proposal],
                           accepted: Sequence[list[int]], emitted: Sequence[list[int]],
-                          shadow_tokens: dict[int, list[int]], asked: int, draft_time: float,
+                          shadow_tokens: dict[int, list[int]], asked: int, draft_time: float, context: int,
                           verify_time: float) -> None:
         """Book what a batched round measured with the planner (its forward's rows and cost, what its plan's
         drafts expected and got, the draft's cost for `asked` tokens, shadows included), and the shadow
@@ -549,7 +552,7 @@ class Engine:
         computed = sum(1 + len(p) for p in proposals)
         self.planner.learn(computed, verify_time, plain=computed == len(requests), expected=expected,
                            accepted=sum(len(accepted[b]) for b in counted), asked=asked, draft_seconds=draft_time,
-                           context=sum(len(r.context) for r in requests))
+                           context=context)
         for b, tokens in shadow_tokens.items():
             if tokens:  # a lookup that found nothing says nothing about acceptance
                 requests[b].controller.observe_shadow(tokens[0] == emitted[b][0])
