@@ -133,6 +133,8 @@ class TreeShapeChooser(RateBandit):
 PACE_SMOOTHING = 0.25
 # At most this many batched rounds in a row draft: the next is plain, which keeps the pace current.
 PLAIN_EVERY = 16
+# The arms of `BatchPlanner.check`'s bandits: rounds as the plan says, and plain rounds.
+DRAFT_AS_PLANNED, PLAIN = 1, 0
 
 
 def context_bucket(context_tokens: int) -> int:
@@ -348,15 +350,39 @@ class BatchPlanner:
         self.smoothing = 1.0 / window
         self.drafted_rounds = 0  # batched rounds in a row that drafted
         self.cold = False  # the next round follows a prompt forward
+        self.timed = False  # the last round `learn` booked was timed (not cold)
+        self.checks: dict[tuple[int, int], RateBandit] = {}  # (batch class, context class) -> see `check`
+
+    def _check_of(self, batch: int, context: int) -> RateBandit:
+        key = ((batch - 1).bit_length(), context_bucket(context))
+        if key not in self.checks:
+            self.checks[key] = RateBandit([DRAFT_AS_PLANNED, PLAIN], window=8, explore_every=8, max_wait=256)
+        return self.checks[key]
 
     def plan(self, alphas: Sequence[float], depths: Sequence[int], context: int = 0) -> list[int]:
         """Each request's draft depth for a batched round (`plan_batch_drafts`) over requests attending to
         `context` cached tokens: none after PLAIN_EVERY drafted rounds in a row, so that the plain round keeps
-        the table's pace current."""
-        if self.drafted_rounds >= PLAIN_EVERY:
+        the table's pace current, and none where the rounds these plans drafted in produced fewer tokens per
+        second than plain rounds of batches of about this size (`check`)."""
+        if self.drafted_rounds >= PLAIN_EVERY or self._check_of(len(depths), context).choose() == PLAIN:
             return [0] * len(depths)
         return plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
                                  calibration=self.calibration.factor, context=context)
+
+    def check(self, batch: int, context: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole batched round of `batch` requests over `context` cached tokens (drafting, forward,
+        verification and the requests' bookkeeping) emitted `tokens` in `seconds`.
+
+        The plans rest on a model (forward costs by rows, expected acceptance), and a shared machine's
+        timings are noisy enough to mislead it: at 8 requests over the dev suite's six categories, entries of
+        the cost table read 8 rows 28 ms and 11 rows 13, plans drafted in most rounds, and drafting cost 12%
+        more decode time than plain rounds (`scripts/engine_batch_ab.py --no-batch-drafting`). So what the
+        plans produce is measured as well: per class of batch size (one per doubling) and context, drafted
+        rounds' tokens per second against plain rounds' (a `RateBandit`), and where plain rounds are faster
+        the plans are set aside, re-tried after a wait that doubles while they keep losing. The first round
+        after a prompt forward is left out (its caches are cold)."""
+        if self.timed:
+            self._check_of(batch, context).update(DRAFT_AS_PLANNED if drafted else PLAIN, tokens, seconds)
 
     def prompt_forward(self) -> None:
         """A prompt's forward ran: the round after it is not timed."""
@@ -374,7 +400,7 @@ class BatchPlanner:
         tokens (shadows included) cost `draft_seconds`."""
         if not self.cold:
             self.costs.record(rows, seconds, plain=plain, context=context)
-        self.cold = False
+        self.timed, self.cold = not self.cold, False
         self.drafted_rounds = 0 if plain else self.drafted_rounds + 1
         if plain:
             self.calibration.relax()
