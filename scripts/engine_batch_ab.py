@@ -1,12 +1,13 @@
 """Plain decoding against a drafter on the engine alone (no server), `--concurrency` requests at a time
 through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and how many
-requests of each batched round `plan_batch_drafts` let draft. With `--concurrency 1` as well, the engine's
-own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting` adds the drafter held to plain rounds
-whenever two or more requests run (a lone request still drafts): what drafting's choices cost or gain,
-apart from the drafter's bookkeeping. Each engine's time is also split into prompt forwards (prefill) and
-decode rounds. `--q8-16bit` adds a twin of every engine whose GGUF-native 8-bit output layer takes 16-bit
-activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against the int8 default where the CPU
-has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
+requests of each batched round `plan_batch_drafts` let draft (and the tokens per second that
+`BatchPlanner.check` measured of drafted and plain rounds per batch and context class). With
+`--concurrency 1` as well, the engine's own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting`
+adds the drafter held to plain rounds whenever two or more requests run (a lone request still drafts): what
+drafting's choices cost or gain, apart from the drafter's bookkeeping. Each engine's time is also split into
+prompt forwards (prefill) and decode rounds. `--q8-16bit` adds a twin of every engine whose GGUF-native 8-bit
+output layer takes 16-bit activations (`cpu_kernels.q8_int8_activations(False)` while it runs), against the
+int8 default where the CPU has VNNI and no AMX-INT8, and prints each twin's throughput over its original's.
 
     .venv/bin/python scripts/engine_batch_ab.py [--model smollm2-135m] [--dtype gguf] [--drafter ngram]
         [--prompts spread|first] [--concurrency 8] [--requests 16] [--passes 4] [--max-tokens 64]
@@ -124,6 +125,12 @@ def main() -> None:
             entries = ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(table.items()))
             print(f"forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds), "
                   f"context class {bucket}: {entries}")
+        for (batch_class, bucket), check in sorted(planner.checks.items()):
+            rates_of = {arm: check.rate(arm) for arm in check.arms}
+            shown = ", ".join(f"{'drafted' if arm == adaptive.DRAFT_AS_PLANNED else 'plain'} "
+                              + ("-" if rate is None else f"{rate:.0f}") for arm, rate in rates_of.items())
+            print(f"plan check, batches of {2 ** (batch_class - 1) + 1}-{2 ** batch_class} requests, context class "
+                  f"{bucket}: tokens per second of rounds {shown} ({check.rounds} rounds)")
     if plans:
         print("batched rounds planned (batch size, requests drafting): rounds  "
               + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))
