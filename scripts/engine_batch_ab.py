@@ -129,8 +129,9 @@ def main() -> None:
             rates_of = {arm: check.rate(arm) for arm in check.arms}
             shown = ", ".join(f"{'drafted' if arm == adaptive.DRAFT_AS_PLANNED else 'plain'} "
                               + ("-" if rate is None else f"{rate:.0f}") for arm, rate in rates_of.items())
-            print(f"plan check, batches of {2 ** (batch_class - 1) + 1}-{2 ** batch_class} requests, context class "
-                  f"{bucket}: tokens per second of rounds {shown} ({check.rounds} rounds)")
+            sizes = "2" if batch_class == 1 else f"{2 ** (batch_class - 1) + 1}-{2 ** batch_class}"
+            print(f"plan check, batches of {sizes} requests, context class {bucket}: tokens per second of rounds "
+                  f"{shown} ({check.rounds} rounds)")
     if plans:
         print("batched rounds planned (batch size, requests drafting): rounds  "
               + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))
