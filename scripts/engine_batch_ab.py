@@ -1,7 +1,7 @@
 """Plain decoding against a drafter on the engine alone (no server), `--concurrency` requests at a time
 through `Engine.generate_many`, alternated: output tok/s of each, their ratio per pass, and how many
 requests of each batched round `plan_batch_drafts` let draft (and the tokens per second that
-`BatchPlanner.check` measured of drafted and plain rounds per batch and context class). With
+`BatchPlanner.check` measured of plain rounds, and of drafted rounds over them, per batch size). With
 `--concurrency 1` as well, the engine's own scaling, the ceiling for `bench-serve`'s. `--no-batch-drafting`
 adds the drafter held to plain rounds whenever two or more requests run (a lone request still drafts): what
 drafting's choices cost or gain, apart from the drafter's bookkeeping. Each engine's time is also split into
@@ -17,6 +17,7 @@ int8 default where the CPU has VNNI and no AMX-INT8, and prints each twin's thro
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections import Counter
@@ -125,13 +126,11 @@ def main() -> None:
             entries = ", ".join(f"{rows}: {1000 * t:.1f}" for rows, t in sorted(table.items()))
             print(f"forward + verification by rows computed (ms, the drafter's engine, averages of recent rounds), "
                   f"context class {bucket}: {entries}")
-        for (batch_class, bucket), check in sorted(planner.checks.items()):
-            rates_of = {arm: check.rate(arm) for arm in check.arms}
-            shown = ", ".join(f"{'drafted' if arm == adaptive.DRAFT_AS_PLANNED else 'plain'} "
-                              + ("-" if rate is None else f"{rate:.0f}") for arm, rate in rates_of.items())
-            sizes = "2" if batch_class == 1 else f"{2 ** (batch_class - 1) + 1}-{2 ** batch_class}"
-            print(f"plan check, batches of {sizes} requests, context class {bucket}: tokens per second of rounds "
-                  f"{shown} ({check.rounds} rounds)")
+        for batch, check in sorted(planner.checks.items()):
+            gain = "-" if check.gain is None else f"{math.exp(check.gain):.3f}"
+            plain = "-" if check.plain_rate is None else f"{check.plain_rate:.0f}"
+            print(f"plan check, batches of {batch}: plain rounds {plain} tok/s, drafted rounds' rate over theirs "
+                  f"{gain} ({check.rounds} rounds)")
     if plans:
         print("batched rounds planned (batch size, requests drafting): rounds  "
               + ", ".join(f"{batch},{drafting}: {n}" for (batch, drafting), n in sorted(plans.items())))

@@ -17,10 +17,11 @@ engine keeps both in one `BatchPlanner`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdraft.smoothing import ema, timing_ema
+from specdraft.smoothing import STALL_FACTOR, ema, geometric_ema, timing_ema
 
 
 @dataclass
@@ -133,8 +134,6 @@ class TreeShapeChooser(RateBandit):
 PACE_SMOOTHING = 0.25
 # At most this many batched rounds in a row draft: the next is plain, which keeps the pace current.
 PLAIN_EVERY = 16
-# The arms of `BatchPlanner.check`'s bandits: rounds as the plan says, and plain rounds.
-DRAFT_AS_PLANNED, PLAIN = 1, 0
 
 
 def context_bucket(context_tokens: int) -> int:
@@ -333,11 +332,72 @@ def plan_batch_drafts(alphas: Sequence[float], depths: Sequence[int], table: For
     return planned
 
 
+# How far one round's measured rate over the plain rate may move `PlanCheck`'s average: a stall's share.
+LOG_STALL = math.log(STALL_FACTOR)
+# The weight of a re-try of losing plans in `PlanCheck`'s average (the rounds in a row that draft: 1 / window).
+EXPLORED_WEIGHT = 0.5
+
+
+class PlanCheck:
+    """Whether a batch size's plans emit more tokens per second than its plain rounds, by measurement.
+
+    A plan rests on a model (forward costs by rows, expected acceptance), and a shared machine's timings are
+    noisy enough to mislead it: at 8 requests over the dev suite's six categories, the cost table once read
+    8 rows 28 ms and 11 rows 13, plans drafted in most rounds, and drafting cost 12% more decode time than
+    plain rounds (`scripts/engine_batch_ab.py --no-batch-drafting`, stop 57). So what the plans produce is
+    measured as well, on whole rounds (drafting, forward, verification, the requests' bookkeeping): plain
+    rounds' tokens per second (a few rounds' memory: the machine's speed drifts, and the engine runs a plain
+    round at least every `PLAIN_EVERY`), and each drafted round's rate over it (an average of logarithms over
+    `window` drafted rounds, so that one noisy round does not decide). While that average is below 1 the
+    plans are set aside (plain rounds), and a drafted round re-tries them after `explore_every` rounds, then
+    after waits that double while they keep losing (up to `max_wait`). Kept per batch size: a round of 5
+    requests emits fewer tokens per second than one of 8 whatever it drafts.
+    """
+
+    def __init__(self, window: int = 8, explore_every: int = 8, max_wait: int = 256) -> None:
+        self.smoothing = 1.0 / window
+        self.explore_every, self.max_wait = explore_every, max_wait
+        self.plain_rate: float | None = None  # tokens per second of recent plain rounds
+        self.gain: float | None = None  # log of drafted rounds' rate over plain rounds' (EMA)
+        self.wait = explore_every
+        self.due = 0  # round from which a losing plan is re-tried
+        self.rounds = 0
+
+    def drafts(self) -> bool:
+        """Whether the next round may draft as planned."""
+        return self.gain is None or self.gain >= 0 or self.rounds >= self.due
+
+    def update(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """One round: drafted or plain, the tokens it emitted in `seconds`."""
+        self.rounds += 1
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        if not drafted:
+            if self.plain_rate is not None:  # one stalled round moves it no more than a slow stretch would
+                rate = min(max(rate, self.plain_rate / STALL_FACTOR), self.plain_rate * STALL_FACTOR)
+            self.plain_rate = geometric_ema(self.plain_rate, rate, PACE_SMOOTHING)
+            return
+        if self.plain_rate is None:
+            return  # nothing to compare it with yet
+        was_losing = self.gain is not None and self.gain < 0
+        gain = max(-LOG_STALL, min(LOG_STALL, math.log(rate / self.plain_rate)))
+        # A re-try after a wait counts for more than a round among many: what the plans get may have changed.
+        self.gain = ema(self.gain, gain, EXPLORED_WEIGHT if was_losing else self.smoothing)
+        if self.gain >= 0:
+            self.wait = self.explore_every
+        else:
+            if was_losing:
+                self.wait = min(2 * self.wait, self.max_wait)
+            self.due = self.rounds + self.wait
+
+
 class BatchPlanner:
     """The engine's memory for batched rounds: what a forward over so many rows costs (`costs`), how many
     tokens earlier plans' drafts got against what they expected (`calibration`), the drafter's seconds per
-    draft token asked for, and when the next plain round is due. `plan` sizes each request's draft for the
-    next round; `learn` books what the round measured.
+    draft token asked for, whether each batch size's plans beat its plain rounds (`checks`) and when the
+    next plain round is due. `plan` sizes each request's draft for the next round; `learn` books what the
+    round's forward measured, `check` what the whole round produced.
 
     Two kinds of round are not timed: a lone request's (its block is another forward, with no batch to
     share the weights' reads) and the first after a prompt forward, whose caches that forward left cold.
@@ -351,38 +411,29 @@ class BatchPlanner:
         self.drafted_rounds = 0  # batched rounds in a row that drafted
         self.cold = False  # the next round follows a prompt forward
         self.timed = False  # the last round `learn` booked was timed (not cold)
-        self.checks: dict[tuple[int, int], RateBandit] = {}  # (batch class, context class) -> see `check`
+        self.checks: dict[int, PlanCheck] = {}  # batch size -> what its plans produce (see `check`)
 
-    def _check_of(self, batch: int, context: int) -> RateBandit:
-        key = ((batch - 1).bit_length(), context_bucket(context))
-        if key not in self.checks:
-            self.checks[key] = RateBandit([DRAFT_AS_PLANNED, PLAIN], window=8, explore_every=8, max_wait=256)
-        return self.checks[key]
+    def _check_of(self, batch: int) -> PlanCheck:
+        if batch not in self.checks:
+            self.checks[batch] = PlanCheck()
+        return self.checks[batch]
 
     def plan(self, alphas: Sequence[float], depths: Sequence[int], context: int = 0) -> list[int]:
         """Each request's draft depth for a batched round (`plan_batch_drafts`) over requests attending to
         `context` cached tokens: none after PLAIN_EVERY drafted rounds in a row, so that the plain round keeps
         the table's pace current, and none where the rounds these plans drafted in produced fewer tokens per
-        second than plain rounds of batches of about this size (`check`)."""
-        if self.drafted_rounds >= PLAIN_EVERY or self._check_of(len(depths), context).choose() == PLAIN:
+        second than plain rounds of batches of this size (`check`)."""
+        if self.drafted_rounds >= PLAIN_EVERY or not self._check_of(len(depths)).drafts():
             return [0] * len(depths)
         return plan_batch_drafts(alphas, depths, self.costs, self.draft_token_cost,
                                  calibration=self.calibration.factor, context=context)
 
-    def check(self, batch: int, context: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole batched round of `batch` requests over `context` cached tokens (drafting, forward,
-        verification and the requests' bookkeeping) emitted `tokens` in `seconds`.
-
-        The plans rest on a model (forward costs by rows, expected acceptance), and a shared machine's
-        timings are noisy enough to mislead it: at 8 requests over the dev suite's six categories, entries of
-        the cost table read 8 rows 28 ms and 11 rows 13, plans drafted in most rounds, and drafting cost 12%
-        more decode time than plain rounds (`scripts/engine_batch_ab.py --no-batch-drafting`). So what the
-        plans produce is measured as well: per class of batch size (one per doubling) and context, drafted
-        rounds' tokens per second against plain rounds' (a `RateBandit`), and where plain rounds are faster
-        the plans are set aside, re-tried after a wait that doubles while they keep losing. The first round
-        after a prompt forward is left out (its caches are cold)."""
+    def check(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole batched round of `batch` requests (drafting, forward, verification and the requests'
+        bookkeeping) emitted `tokens` in `seconds`: booked with that batch size's `PlanCheck`, unless it was
+        the first after a prompt forward (its caches were cold)."""
         if self.timed:
-            self._check_of(batch, context).update(DRAFT_AS_PLANNED if drafted else PLAIN, tokens, seconds)
+            self._check_of(batch).update(drafted, tokens, seconds)
 
     def prompt_forward(self) -> None:
         """A prompt's forward ran: the round after it is not timed."""

@@ -521,8 +521,8 @@ class Engine:
                                                None if top is None else top[b, :len(scored)]))
                 r.metrics.draft_time += time.perf_counter() - t + topk_time
         if batched:  # what the round's plan produced, all its costs included
-            self.planner.check(len(requests), context, any(len(p) for p in proposals),
-                               sum(len(tokens) for tokens in emitted), time.perf_counter() - t0)
+            self.planner.check(len(requests), any(len(p) for p in proposals), sum(len(tokens) for tokens in emitted),
+                               time.perf_counter() - t0)
         return chunks
 
     def _plan_batch(self, requests: Sequence[Request], budgets: list[tuple[int, int, int | None]], context: int
