@@ -11,8 +11,9 @@ never pays on this model would otherwise keep paying for probes.
 
 In a batched round each request's controller says how deep it would draft, and one plan for the batch
 (`plan_batch_drafts`) cuts those depths to what pays for the whole batch, from what a forward over so many
-rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`); the
-engine keeps both in one `BatchPlanner`.
+rows measures (`ForwardCostTable`) and how many tokens earlier plans got (`AcceptanceCalibration`), and
+whether rounds drafted as planned emit more tokens per second than plain ones is measured apart
+(`PlanCheck`); the engine keeps all three in one `BatchPlanner`.
 """
 
 from __future__ import annotations
